@@ -1,0 +1,1 @@
+"""Core vocabulary: registration, inputs, KV cache, state store, batch processing."""

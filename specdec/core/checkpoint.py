@@ -1,0 +1,221 @@
+"""Loading Hugging Face-format checkpoints: config.json, safetensors, tokenizer.json.
+
+:func:`load_graph_api_module` constructs a registered module as
+``module_cls(config)`` with no storage (``meta`` device), then fills it one
+tensor at a time straight from the safetensors files, so a checkpoint never
+sits in memory twice.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from specdec.core.registry import Role, lookup
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory or file that cannot be loaded (names the culprit)."""
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """The parsed ``config.json`` of the checkpoint directory ``path``."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
+    if not cfg_file.is_file():
+        raise CheckpointError(f"missing config.json in checkpoint directory {str(path)!r}")
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: one file, or the shards an index names."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from None
+        files = [path / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"shard {f.name} named in {index} is missing")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise CheckpointError(
+        f"no model.safetensors or model.safetensors.index.json in {str(path)!r}"
+    )
+
+
+def iter_tensors(files: list[Path]) -> Iterator[tuple[str, Path, Any]]:
+    """Yields ``(name, file, handle)`` for every tensor, one open file at a time."""
+    from safetensors import SafetensorError, safe_open
+
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                for name in h.keys():
+                    yield name, f, h
+        except SafetensorError as e:
+            raise CheckpointError(f"corrupt or truncated safetensors file {f}: {e}") from None
+
+
+def _get(handle: Any, name: str, file: Path) -> torch.Tensor:
+    from safetensors import SafetensorError
+
+    try:
+        return handle.get_tensor(name)
+    except (SafetensorError, RuntimeError, OSError) as e:
+        raise CheckpointError(f"corrupt or truncated safetensors file {file} (tensor {name!r}): {e}") from None
+
+
+def load_state_dict_into(
+    module: nn.Module,
+    files: list[Path],
+    *,
+    strict: bool,
+    dtype: torch.dtype | None,
+    override_quantization_encoding: bool = False,
+    device: torch.device | str = "cpu",
+) -> None:
+    """Fills ``module``'s parameters from safetensors ``files``, tensor by tensor.
+
+    ``module`` may live on the ``meta`` device: each parameter gets storage as
+    it is read. Errors list every missing, unexpected and mis-shaped tensor by
+    name, in one message. ``override_quantization_encoding``: keep each
+    tensor's checkpoint dtype; otherwise cast to ``dtype`` (the declared one).
+    """
+    params = dict(module.named_parameters())  # tied weights appear once
+    tied_aliases = {n for n, _ in module.named_parameters(remove_duplicate=False)} - set(params)
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    misshaped: list[str] = []
+    pending: dict[str, torch.Tensor] = {}
+    for name, file, handle in iter_tensors(files):
+        if name not in params:
+            if name not in tied_aliases:
+                unexpected.append(name)
+            continue
+        p = params[name]
+        shape = tuple(handle.get_slice(name).get_shape())
+        if shape != tuple(p.shape):
+            misshaped.append(f"{name} (checkpoint {list(shape)}, model {list(p.shape)})")
+            continue
+        t = _get(handle, name, file)
+        if not override_quantization_encoding and dtype is not None:
+            t = t.to(dtype)
+        pending[name] = t.to(device)
+        loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    problems = []
+    if missing:
+        problems.append("missing: " + ", ".join(missing))
+    if misshaped:
+        problems.append("mis-shaped: " + ", ".join(misshaped))
+    if unexpected and strict:
+        problems.append("unexpected: " + ", ".join(sorted(unexpected)))
+    if problems:
+        where = files[0].parent
+        raise CheckpointError(f"checkpoint {str(where)!r} does not fit {type(module).__name__}: " + "; ".join(problems))
+    # assign=True hands over the loaded tensors without another copy.
+    module.load_state_dict(pending, strict=False, assign=True)
+    _retie(module)
+
+
+def _retie(module: nn.Module) -> None:
+    """``assign=True`` breaks weight tying; tie the output head again."""
+    cfg = getattr(module, "config", None)
+    if getattr(cfg, "tie_word_embeddings", False) and hasattr(module, "lm_head"):
+        module.lm_head.weight = module.model.embed_tokens.weight  # type: ignore[union-attr]
+
+
+@dataclass
+class LoadedDecoder:
+    module: nn.Module
+    config: Any
+    path: Path
+
+
+def load_graph_api_module(
+    module_cls: type[nn.Module],
+    config: Any,
+    path: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+) -> nn.Module:
+    """Constructs ``module_cls(config)`` and loads the checkpoint at ``path``."""
+    with torch.device("meta"):
+        module = module_cls(config)
+    declared = dtype or getattr(config, "dtype", None)
+    load_state_dict_into(
+        module,
+        weight_files(path),
+        strict=getattr(module_cls, "strict_state_dict_loading", True),
+        dtype=declared,
+        override_quantization_encoding=getattr(module_cls, "override_quantization_encoding", False),
+        device=device,
+    )
+    # Buffers made on meta (e.g. lazily built rope tables) get real storage.
+    for mod in module.modules():
+        for bname, buf in list(mod._buffers.items()):
+            if buf is not None and buf.is_meta:
+                mod._buffers[bname] = torch.empty(0, device=device)
+    return module.eval()
+
+
+def load_decoder(
+    path: str | Path,
+    *,
+    role: Role = Role.DECODER,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+) -> LoadedDecoder:
+    """Reads ``config.json``, finds the registered class, loads the weights."""
+    path = Path(path)
+    hf = read_hf_config(path)
+    archs = hf.get("architectures") or []
+    if not archs:
+        raise CheckpointError(f"{path / 'config.json'} names no 'architectures'")
+    module_cls = lookup(archs[0], role)
+    config_cls = getattr(module_cls, "config_cls", None)
+    if config_cls is None:
+        raise CheckpointError(f"{module_cls.__name__} declares no config_cls")
+    try:
+        config = config_cls.from_dict(hf)
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{path / 'config.json'}: {e}") from None
+    module = load_graph_api_module(module_cls, config, path, dtype=dtype, device=device)
+    return LoadedDecoder(module=module, config=config, path=path)
+
+
+def load_tokenizer(path: str | Path, vocab_size: int | None = None) -> Any:
+    """``tokenizer.json`` through the ``tokenizers`` library; checks it fits the model."""
+    from tokenizers import Tokenizer
+
+    f = Path(path) / "tokenizer.json"
+    if not f.is_file():
+        raise CheckpointError(f"missing tokenizer.json in {str(Path(path))!r}")
+    try:
+        tok = Tokenizer.from_file(str(f))
+    except Exception as e:  # tokenizers raises plain Exception subclasses
+        raise CheckpointError(f"{f} could not be read: {e}") from None
+    if vocab_size is not None and tok.get_vocab_size(with_added_tokens=True) > vocab_size:
+        raise CheckpointError(
+            f"tokenizer {f} has {tok.get_vocab_size(with_added_tokens=True)} tokens, "
+            f"more than the model's vocab_size {vocab_size}"
+        )
+    return tok

@@ -1,0 +1,105 @@
+"""What a decoder module takes and returns: tensors only, in dataclasses.
+
+A batch is *ragged and packed*: the new tokens of every request stand one
+after another in ``tokens`` (no padding). Attention reads each request's whole
+context from the paged KV cache through per-request slot lists. The index
+tensors below are built once per step on the host by the batch processor.
+
+Worked example (block size 4, two requests)::
+
+    request a: 3 tokens cached, 1 new token (a decode step)
+    request b: 0 tokens cached, 2 new tokens (a prefill)
+
+    tokens        = [a3, b0, b1]                     # [T=3]
+    positions     = [3, 0, 1]                        # [T]
+    slot_mapping  = [a's slot 3, b's slot 0, b's slot 1]
+    gather_slots  = [[a0, a1, a2, a3],               # [B=2, S=4]
+                     [b0, b1, 0,  0 ]]               # padding reads slot 0
+    q_index       = [[0, 0], [1, 2]]                 # [B, Q=2] packed row of each query
+    q_pos         = [[3, 0], [0, 1]]                 # [B, Q] its position (pad: 0)
+    out_index     = [0, 2, 3]                        # [T] row in the flat [B*Q] output
+    logit_index   = [0, 2]                           # [N] rows whose logits come back
+
+A key ``j`` is visible to a query at position ``p`` iff ``j <= p``, so padded
+keys (``j >= context length``) are never seen, and padded queries (``p = 0``)
+see key 0 only and are dropped by ``out_index``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One module input: its name, dtype and symbolic shape (dim names or ints)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[str | int, ...]
+
+
+@dataclass
+class KVCacheTensors:
+    """The paged cache storage of one decoder (one replica)."""
+
+    k: torch.Tensor  # [layers, num_slots, kv_heads, head_dim]
+    v: torch.Tensor  # [layers, num_slots, kv_heads, head_dim]
+
+
+@dataclass
+class DecoderInputs:
+    """One packed ragged batch for a decoder's ``forward``."""
+
+    tokens: torch.Tensor  # [T] int64, the new tokens of every request, packed
+    positions: torch.Tensor  # [T] int64, absolute position of each new token
+    slot_mapping: torch.Tensor  # [T] int64, KV slot each new token writes
+    gather_slots: torch.Tensor  # [B, S] int64, KV slots each request reads (pad 0)
+    q_index: torch.Tensor  # [B, Q] int64, packed row of each padded query
+    q_pos: torch.Tensor  # [B, Q] int64, position of each padded query (pad 0)
+    out_index: torch.Tensor  # [T] int64, row of each token in the flat [B*Q] output
+    logit_index: torch.Tensor  # [N] int64, packed rows whose logits are returned
+    kv_cache: KVCacheTensors | None = None
+    # Where each data-parallel replica's requests start: [R + 1], host ints.
+    data_parallel_splits: list[int] = field(default_factory=lambda: [0])
+
+    def to(self, device: torch.device | str) -> DecoderInputs:
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+        return DecoderInputs(**out)
+
+
+# The canonical inputs of a graph-API decoder, as symbolic specs.
+DECODER_INPUT_SPECS: tuple[InputSpec, ...] = (
+    InputSpec("tokens", torch.int64, ("total_tokens",)),
+    InputSpec("positions", torch.int64, ("total_tokens",)),
+    InputSpec("slot_mapping", torch.int64, ("total_tokens",)),
+    InputSpec("gather_slots", torch.int64, ("batch_size", "max_context")),
+    InputSpec("q_index", torch.int64, ("batch_size", "max_new_tokens")),
+    InputSpec("q_pos", torch.int64, ("batch_size", "max_new_tokens")),
+    InputSpec("out_index", torch.int64, ("total_tokens",)),
+    InputSpec("logit_index", torch.int64, ("num_logits",)),
+)
+
+
+@dataclass
+class DecoderOutputs:
+    """What a decoder's ``forward`` returns."""
+
+    logits: torch.Tensor  # [N, vocab] float, rows picked by logit_index
+    hidden_states: torch.Tensor  # [N, hidden] final-norm hidden states of those rows
+
+
+@dataclass
+class ModelOutputs:
+    """A step's outputs after ``process_outputs``: per-request views."""
+
+    logits: torch.Tensor  # [N, vocab]
+    hidden_states: torch.Tensor | None  # [N, hidden]
+    # Row range of each request in ``logits``: request i owns rows
+    # logit_offsets[i]:logit_offsets[i+1].  [B + 1]
+    logit_offsets: torch.Tensor

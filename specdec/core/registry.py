@@ -1,0 +1,158 @@
+"""Decoder registration by role (after MAX's ``registration_graph_api``).
+
+A decoder module class registers under a :class:`Role` and one or more Hugging
+Face ``architectures`` names::
+
+    @register(Role.DECODER, "LlamaForCausalLM", "Qwen2ForCausalLM")
+    class LlamaDecoder(DecoderModule): ...
+
+Later code finds it with :func:`lookup` (by role and HF name) and never
+dispatches on names itself. The class attributes of :class:`DecoderModule`
+are the knobs the seed page lists; each has a documented default.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from specdec.core.state_store import StateSpec
+
+
+class Role(enum.Enum):
+    """What a registered module is for."""
+
+    DECODER = "decoder"  # a causal LM: target, or independent draft model
+    DRAFT_HEAD = "draft_head"  # a head on the target's hidden states (EAGLE-style)
+    MEDUSA_HEAD = "medusa_head"  # parallel heads on the last hidden state (Medusa-style)
+
+
+class DecoderModule(nn.Module):
+    """Base class of a registered decoder: ``forward`` takes tensors only.
+
+    Class attributes (override in a subclass; all optional):
+
+    - ``graph_name``: the name its compiled region runs under (profiler ranges,
+      ``torch.compile`` logs). An instance may set it from its config.
+    - ``supports_data_parallel``: runs one replica per device and reads the
+      batch's ``data_parallel_splits``.
+    - ``data_parallel_batch_inputs``: the :class:`DecoderInputs` fields the
+      data-parallel module takes, in order, when they differ from the canonical
+      ones (``None``: the canonical ones).
+    - ``always_signal_buffers``: takes all-reduce signal buffers even on one
+      device (no effect on the CPU; kept for parity with MAX).
+    - ``strict_state_dict_loading``: ``False`` when the checkpoint may hold
+      weights the decoder does not read (they are ignored); a parameter the
+      checkpoint lacks is an error either way.
+    - ``override_quantization_encoding``: the checkpoint's dtype wins over the
+      dtype a weight declares (otherwise weights are cast to the declared one).
+    """
+
+    graph_name: ClassVar[str] = "decoder"
+    supports_data_parallel: ClassVar[bool] = False
+    data_parallel_batch_inputs: ClassVar[Sequence[str] | None] = None
+    always_signal_buffers: ClassVar[bool] = False
+    strict_state_dict_loading: ClassVar[bool] = True
+    override_quantization_encoding: ClassVar[bool] = False
+
+    # Filled by ``register``.
+    role: ClassVar[Role | None] = None
+    architectures: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def build_module(cls, context: Any, config_cls: type) -> nn.Module:
+        """Builds the module a speculative-decoding module calls as its target.
+
+        ``context`` carries what the caller has (at least ``config``, an
+        instance of ``config_cls`` or a dict it parses, and optionally
+        ``state_dict``). The default constructs ``cls(config)`` and loads the
+        state dict when one is given.
+        """
+        config = context.config if hasattr(context, "config") else context["config"]
+        if not isinstance(config, config_cls):
+            config = config_cls.from_dict(config)
+        module = cls(config)
+        state_dict = getattr(context, "state_dict", None)
+        if state_dict is not None:
+            module.load_state_dict(state_dict, strict=cls.strict_state_dict_loading)
+        return module
+
+    @classmethod
+    def state_store(
+        cls, config: Any, *, max_batch_size: int, devices: Sequence[torch.device]
+    ) -> Sequence[StateSpec] | None:
+        """The per-request state this decoder carries between steps.
+
+        Returns the named slots (see :class:`specdec.core.state_store.StateSpec`)
+        or ``None`` for a stateless decoder. A decoder that declares state must
+        be served by a :class:`~specdec.core.batch_processor.DecoderBatchProcessor`.
+        """
+        return None
+
+
+M = TypeVar("M", bound=type[nn.Module])
+
+# (role, architecture name) -> class. Module-level but append-only: it is the
+# name -> class table the design asks for, filled at import by decorators.
+_REGISTRY: dict[tuple[Role, str], type[nn.Module]] = {}
+
+
+def register(role: Role, *architectures: str) -> Callable[[M], M]:
+    """Class decorator: registers ``cls`` under ``role`` for each HF name."""
+    if not architectures:
+        raise ValueError("register() needs at least one architecture name")
+
+    def deco(cls: M) -> M:
+        for name in architectures:
+            key = (role, name)
+            if key in _REGISTRY and _REGISTRY[key] is not cls:
+                raise ValueError(
+                    f"{role.value} architecture {name!r} is already registered "
+                    f"to {_REGISTRY[key].__qualname__}"
+                )
+            _REGISTRY[key] = cls
+        cls.role = role  # type: ignore[attr-defined]
+        cls.architectures = tuple(getattr(cls, "architectures", ())) + tuple(
+            a for a in architectures if a not in getattr(cls, "architectures", ())
+        )  # type: ignore[attr-defined]
+        return cls
+
+    return deco
+
+
+def registered_names(role: Role | None = None) -> list[str]:
+    """Sorted architecture names registered (under ``role`` if given)."""
+    _ensure_builtin_models()
+    return sorted(name for (r, name) in _REGISTRY if role is None or r == role)
+
+
+def lookup(architecture: str, role: Role = Role.DECODER) -> type[nn.Module]:
+    """The class registered for ``architecture`` under ``role``."""
+    _ensure_builtin_models()
+    try:
+        return _REGISTRY[(role, architecture)]
+    except KeyError:
+        known = ", ".join(registered_names(role)) or "(none)"
+        raise KeyError(
+            f"unknown {role.value} architecture {architecture!r}; registered: {known}"
+        ) from None
+
+
+def is_graph_api_module(module_cls: object) -> bool:
+    """Whether ``module_cls`` is a registered module class (a decoder or head)."""
+    return (
+        isinstance(module_cls, type)
+        and issubclass(module_cls, nn.Module)
+        and any(c is module_cls for c in _REGISTRY.values())
+    )
+
+
+def _ensure_builtin_models() -> None:
+    # Importing the model package runs the @register decorators of the
+    # built-in architectures; cheap after the first time.
+    import specdec.models  # noqa: F401

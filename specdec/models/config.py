@@ -1,0 +1,147 @@
+"""Typed architecture config parsed from an HF ``config.json``.
+
+One dataclass covers the Llama family (Llama, Qwen2, Qwen3, Mistral); the
+differences are flags read from the HF config: ``attention_bias`` (Qwen2: q/k/v
+bias), ``qk_norm`` (Qwen3), ``sliding_window`` (Mistral), ``rope_scaling``
+(Llama 3).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"  # "default" or "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def inv_freq(self, head_dim: int) -> torch.Tensor:
+        """Inverse frequencies [head_dim // 2], float64, with Llama 3 scaling."""
+        inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        if self.rope_type == "default":
+            return inv
+        if self.rope_type != "llama3":
+            raise ValueError(f"rope_scaling.rope_type {self.rope_type!r} is not supported")
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend between.
+        low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
+        high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / self.factor, inv)
+        smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        blended = (1 - smooth) * scaled / self.factor + smooth * scaled
+        mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(mid, blended, scaled)
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v (and o for Llama's flag)
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    architecture: str = "LlamaForCausalLM"
+    torch_dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"config.{name} must be positive, got {getattr(self, name)!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"config.num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                f"of config.num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.torch_dtype not in _DTYPES:
+            raise ValueError(f"config.torch_dtype {self.torch_dtype!r} not in {sorted(_DTYPES)}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _DTYPES[self.torch_dtype]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LlamaConfig:
+        """Parses an HF ``config.json`` dict (transformers 4.x or 5.x layout)."""
+        archs = d.get("architectures") or ["LlamaForCausalLM"]
+        arch = archs[0]
+        model_type = d.get("model_type", "")
+        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                               "num_attention_heads", "intermediate_size") if k not in d]
+        if missing:
+            raise ValueError(f"config.json lacks required key(s): {', '.join(missing)}")
+        heads = d["num_attention_heads"]
+        # transformers 5 folds rope_theta and rope_scaling into rope_parameters.
+        rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = rp.get("rope_type", rp.get("type", "default")) or "default"
+        rope = RopeConfig(
+            theta=float(rp.get("rope_theta", d.get("rope_theta", 10000.0))),
+            rope_type=rope_type,
+            factor=float(rp.get("factor", 1.0)),
+            low_freq_factor=float(rp.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rp.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(rp.get("original_max_position_embeddings", 8192)),
+        )
+        is_qwen2 = model_type == "qwen2" or arch.startswith("Qwen2")
+        is_qwen3 = model_type == "qwen3" or arch.startswith("Qwen3")
+        attention_bias = True if is_qwen2 else bool(d.get("attention_bias", False))
+        sliding = d.get("sliding_window")
+        if (is_qwen2 or is_qwen3) and not d.get("use_sliding_window", False):
+            sliding = None
+        eos = d.get("eos_token_id")
+        eos_list = [] if eos is None else (list(eos) if isinstance(eos, list) else [int(eos)])
+        dtype = d.get("torch_dtype") or d.get("dtype") or "float32"
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            # Llama's and Qwen3's attention_bias cover o_proj too; Qwen2's is q/k/v only.
+            o_proj_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            qk_norm=is_qwen3,
+            sliding_window=int(sliding) if sliding else None,
+            rope=rope,
+            architecture=arch,
+            torch_dtype=dtype if dtype in _DTYPES else "float32",
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos_list,
+            pad_token_id=d.get("pad_token_id"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,228 @@
+"""The Llama family (Llama / Llama 3, Qwen2, Qwen3, Mistral) in plain PyTorch.
+
+One implementation, driven by :class:`~specdec.models.config.LlamaConfig`.
+Parameter names follow Hugging Face's, so an HF ``state_dict`` loads as is.
+
+Two ways to run it:
+
+- :meth:`LlamaDecoder.forward` — a packed ragged batch with a paged KV cache
+  (prefill and decode alike; see :mod:`specdec.core.inputs`);
+- :meth:`LlamaDecoder.forward_dense` — ``[batch, seq]`` tokens, causal, no
+  cache: for training and for quick checks.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.core.inputs import DecoderInputs, DecoderOutputs, KVCacheTensors
+from specdec.core.registry import DecoderModule, Role, register
+from specdec.models.config import LlamaConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attend(Protocol):
+    """How a layer's attention reads and writes keys/values for one forward."""
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:  # q [T, H, D], k/v [T, Hkv, D] -> [T, H*D]
+        ...
+
+
+class PagedAttend:
+    """Ragged batch over a paged cache: write the new k/v, gather, attend."""
+
+    def __init__(self, inputs: DecoderInputs, cache: KVCacheTensors, window: int | None) -> None:
+        self.inputs = inputs
+        self.cache = cache
+        key_pos = torch.arange(inputs.gather_slots.shape[1], device=inputs.q_pos.device)
+        q_pos = inputs.q_pos.unsqueeze(-1)  # [B, Q, 1]
+        mask = key_pos <= q_pos  # [B, Q, S]
+        if window is not None:
+            mask &= key_pos > q_pos - window
+        self.mask = mask.unsqueeze(1)  # [B, 1, Q, S]
+        b, q = inputs.q_index.shape
+        self.single = b == 1 and q == inputs.tokens.shape[0]  # one request: no packing
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        inp = self.inputs
+        kc, vc = self.cache.k[layer], self.cache.v[layer]  # [slots, Hkv, D]
+        kc.index_copy_(0, inp.slot_mapping, k)
+        vc.index_copy_(0, inp.slot_mapping, v)
+        keys = kc[inp.gather_slots].transpose(1, 2)  # [B, Hkv, S, D]
+        vals = vc[inp.gather_slots].transpose(1, 2)
+        qp = q.unsqueeze(0) if self.single else q[inp.q_index]  # [B, Q, H, D]
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), keys, vals, attn_mask=self.mask, enable_gqa=True
+        )  # [B, H, Q, D]
+        b, h, nq, d = out.shape
+        out = out.transpose(1, 2).reshape(b * nq, h * d)
+        return out if self.single else out[inp.out_index]  # [T, H*D]
+
+
+class DenseCausalAttend:
+    """``[batch, seq]`` causal attention without a cache (training)."""
+
+    def __init__(self, batch: int, seq: int, window: int | None) -> None:
+        self.batch, self.seq, self.window = batch, seq, window
+        self.mask = None
+        if window is not None:
+            i = torch.arange(seq)
+            self.mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, s = self.batch, self.seq
+        q, k, v = (t.view(b, s, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
+        if self.mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask.to(q.device), enable_gqa=True)
+        return out.transpose(1, 2).reshape(b * s, -1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        d = cfg.hidden_size
+        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=cfg.o_proj_bias)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head before rope
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        t = x.shape[0]  # x [T, d]; cos/sin [T, 1, D]
+        q = self.q_proj(x).view(t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(t, self.n_kv, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return self.o_proj(attend(self.layer, q, k, v))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@register(Role.DECODER, "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+class LlamaDecoder(DecoderModule):
+    """A Llama-family causal LM over a paged KV cache."""
+
+    graph_name = "llama_decoder"
+    config_cls = LlamaConfig
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.graph_name = f"{config.architecture}:{config.num_hidden_layers}L"
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._rope_len = 0
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def _rope(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for ``positions`` [T] -> [T, 1, head_dim], tables grown on demand."""
+        if max_pos >= self._rope_len or self.rope_cos.device != positions.device:
+            n = max(max_pos + 1, self.config.max_position_embeddings, 2 * self._rope_len)
+            inv = self.config.rope.inv_freq(self.config.head_dim).float()
+            freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            dtype = self.model.embed_tokens.weight.dtype
+            self.rope_cos = emb.cos().to(device=positions.device, dtype=dtype)
+            self.rope_sin = emb.sin().to(device=positions.device, dtype=dtype)
+            self._rope_len = n
+        return self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attend)
+        return self.model.norm(x)
+
+    def forward(self, inputs: DecoderInputs) -> DecoderOutputs:
+        """Packed ragged forward over the paged cache in ``inputs.kv_cache``."""
+        assert inputs.kv_cache is not None, "DecoderInputs.kv_cache is required"
+        x = self.model.embed_tokens(inputs.tokens)  # [T, d]
+        # Positions grow one step at a time; the table is sized up front by
+        # ``ensure_rope`` so no host sync is needed here.
+        cos, sin = self._rope(inputs.positions, self._rope_len - 1)
+        attend = PagedAttend(inputs, inputs.kv_cache, self.config.sliding_window)
+        h = self._layers(x, cos, sin, attend)[inputs.logit_index]  # [N, d]
+        return DecoderOutputs(logits=self.lm_head(h), hidden_states=h)
+
+    def ensure_rope(self, max_positions: int, device: torch.device | str = "cpu") -> None:
+        """Builds the rope tables for positions ``< max_positions`` (call once)."""
+        self._rope(torch.zeros(1, dtype=torch.long, device=device), max_positions - 1)
+
+    def forward_dense(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Causal forward of ``tokens`` [B, S] without a cache -> logits [B, S, V]."""
+        b, s = tokens.shape
+        pos = torch.arange(s, device=tokens.device).repeat(b)
+        cos, sin = self._rope(pos, s - 1)
+        x = self.model.embed_tokens(tokens.reshape(-1))
+        h = self._layers(x, cos, sin, DenseCausalAttend(b, s, self.config.sliding_window))
+        return self.lm_head(h).view(b, s, -1)
