@@ -62,6 +62,7 @@ class DecoderInputs:
     out_index: torch.Tensor  # [T] int64, row of each token in the flat [B*Q] output
     logit_index: torch.Tensor  # [N] int64, packed rows whose logits are returned
     kv_cache: KVCacheTensors | None = None
+    context_lengths: torch.Tensor | None = None  # [B] each request's length after this step
     # Where each data-parallel replica's requests start: [R + 1], host ints.
     data_parallel_splits: list[int] = field(default_factory=lambda: [0])
 

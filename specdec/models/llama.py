@@ -168,6 +168,7 @@ class LlamaDecoder(DecoderModule):
 
     graph_name = "llama_decoder"
     config_cls = LlamaConfig
+    supports_data_parallel = True  # stateless between steps: replicas just split the batch
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()

@@ -1,0 +1,317 @@
+"""``DecoderBatchProcessor``: packs ragged requests into one decoder batch.
+
+After MAX's ``DecoderBatchProcessor`` (seed page 000). Under data parallelism
+it concatenates every replica's contexts in replica order and records where
+each replica's requests start (``data_parallel_splits``); each replica's
+requests address that replica's KV cache.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from specdec.core.context import TextContext
+from specdec.core.inputs import (
+    DECODER_INPUT_SPECS,
+    DecoderInputs,
+    DecoderOutputs,
+    InputSpec,
+    ModelOutputs,
+)
+from specdec.core.kv_cache import KVCacheParams, PagedKVCache
+from specdec.core.state_store import RequestStateStore
+
+
+@dataclass
+class BatchProcessorRuntime:
+    """What a batch processor runs against: caches (one per replica) and bounds."""
+
+    kv_caches: list[PagedKVCache]
+    max_batch_size: int
+    max_seq_len: int
+    device: torch.device | str = "cpu"
+
+    @property
+    def data_parallel_degree(self) -> int:
+        return len(self.kv_caches)
+
+    @property
+    def cache_name(self) -> str:
+        return self.kv_caches[0].name
+
+
+@dataclass
+class DecoderScratch:
+    """Buffers allocated once and reused by every batch (index ramps)."""
+
+    arange: torch.Tensor  # [max_tokens] int64: 0, 1, 2, ...
+
+    @classmethod
+    def allocate(cls, max_tokens: int, device: torch.device | str = "cpu") -> DecoderScratch:
+        return cls(arange=torch.arange(max_tokens, dtype=torch.long, device=device))
+
+    def ramp(self, n: int) -> torch.Tensor:
+        if n > self.arange.shape[0]:
+            self.arange = torch.arange(2 * n, dtype=torch.long, device=self.arange.device)
+        return self.arange[:n]
+
+
+@dataclass
+class PackedBatch:
+    """A packed batch plus the host-side facts the caller needs to finish a step."""
+
+    inputs: DecoderInputs
+    contexts: list[TextContext]
+    num_new: list[int]  # real tokens each request feeds (excluding lookahead)
+    lookahead: int  # placeholder positions after each request's real tokens
+    draft_index: torch.Tensor | None = None  # [B, lookahead] packed rows of the placeholders
+    return_n_logits: int = 1
+
+
+class DecoderBatchProcessor:
+    """Batches ragged text for a registered decoder."""
+
+    def __init__(self, config: Any, runtime: BatchProcessorRuntime, inputs: Sequence[InputSpec] = ()) -> None:
+        self.config = config
+        self.runtime = runtime
+        self._bound: OrderedDict[str, InputSpec] | None = None
+        if inputs:
+            self.bind_input_tree(OrderedDict((s.name, s) for s in inputs))
+        self.constant_inputs: Any | None = None  # deployment-lifetime constant inputs
+        self.scratch: DecoderScratch | None = None  # set by the pipeline model
+        self.state_store: RequestStateStore | None = None  # set by the pipeline model
+        self._ep_initializer: Any | None = None
+
+    # -- binding ----------------------------------------------------------------
+    def bind_input_tree(self, input_tree: OrderedDict[str, object]) -> None:
+        """Binds the module's inputs; sizes the state inputs this processor fills."""
+        bound: OrderedDict[str, InputSpec] = OrderedDict()
+        for name, spec in input_tree.items():
+            if isinstance(spec, InputSpec):
+                bound[name] = spec
+            elif self.state_store is not None and name in self.state_store.tensors:
+                t = self.state_store.tensors[name]
+                bound[name] = InputSpec(name, t.dtype, ("batch_size", *t.shape[1:]))
+            else:
+                raise ValueError(f"input {name!r}: expected an InputSpec or a state-store name")
+        self._bound = bound
+
+    def bind_ep_comm_initializer(self, initializer: Any | None) -> None:
+        """Expert-parallel buffers: dense models take none (``None``)."""
+        self._ep_initializer = initializer
+
+    def get_symbolic_inputs(self, *, kv_params: KVCacheParams, device_refs: list[Any]) -> list[InputSpec]:
+        """The bound inputs, or the canonical decoder inputs before binding."""
+        if self._bound is not None:
+            return list(self._bound.values())
+        kv = [
+            InputSpec("kv_cache.k", kv_params.dtype, (kv_params.num_layers, "num_slots", kv_params.num_kv_heads, kv_params.head_dim)),
+            InputSpec("kv_cache.v", kv_params.dtype, (kv_params.num_layers, "num_slots", kv_params.num_kv_heads, kv_params.head_dim)),
+        ]
+        return [*DECODER_INPUT_SPECS, *kv]
+
+    def max_dims(self, dims: Iterable[str], kv_params: KVCacheParams) -> dict[str, int]:
+        """Largest size of each per-step dim: the state store bounds its own dims, the runtime the rest."""
+        rt = self.runtime
+        runtime_bounds = {
+            "batch_size": rt.max_batch_size,
+            "total_tokens": rt.max_batch_size * rt.max_seq_len,
+            "max_context": rt.max_seq_len,
+            "max_new_tokens": rt.max_seq_len,
+            "num_logits": rt.max_batch_size * rt.max_seq_len,
+            "num_slots": kv_params.num_slots,
+        }
+        store = self.state_store.bounded_dims() if self.state_store is not None else {}
+        out = {}
+        for d in dims:
+            if d in store:
+                out[d] = store[d]
+            elif d in runtime_bounds:
+                out[d] = runtime_bounds[d]
+            else:
+                raise ValueError(f"dim {d!r} is bounded by neither the state store nor the runtime")
+        return out
+
+    # -- packing ----------------------------------------------------------------
+    def prepare_initial_token_inputs(
+        self,
+        replica_batches: Sequence[Sequence[TextContext]],
+        kv_cache_inputs: Any | None = None,
+        return_n_logits: int = 1,
+        *,
+        num_tokens: Sequence[int] | None = None,
+        lookahead: int = 0,
+    ) -> PackedBatch:
+        """Packs the replicas' contexts into one ragged batch.
+
+        Each context feeds its unprocessed tokens (``num_tokens[i]`` of them if
+        given: a prefill chunk), then ``lookahead`` placeholder positions whose
+        packed rows come back in ``draft_index`` (the speculative pipeline
+        writes draft tokens there). Logits come back for the last
+        ``return_n_logits`` rows of each request. KV blocks must be reserved;
+        the tables' lengths advance by the tokens fed.
+        """
+        rt = self.runtime
+        if len(replica_batches) != rt.data_parallel_degree:
+            raise ValueError(
+                f"got {len(replica_batches)} replica batches for data-parallel degree {rt.data_parallel_degree}"
+            )
+        ctxs = [c for rb in replica_batches for c in rb]
+        if not ctxs:
+            raise ValueError("cannot pack an empty batch")
+        splits = [0]
+        for rb in replica_batches:
+            splits.append(splits[-1] + len(rb))
+        name = rt.cache_name
+        starts = [c.kv[name].num_tokens for c in ctxs]
+        if num_tokens is None:
+            num_new = [len(c.tokens) - s for c, s in zip(ctxs, starts)]
+        else:
+            num_new = list(num_tokens)
+        for c, s, n in zip(ctxs, starts, num_new):
+            if n < 0 or s + n > len(c.tokens):
+                raise ValueError(f"request {c.request_id!r}: cannot feed {n} tokens from position {s}")
+        lens = [n + lookahead for n in num_new]
+        if min(lens) < 1:
+            raise ValueError("every request in a batch must feed at least one token")
+        tokens_list: list[int] = []
+        for c, s, n in zip(ctxs, starts, num_new):
+            tokens_list.extend(c.tokens[s : s + n])
+            tokens_list.extend([0] * lookahead)
+        replica_of = [r for r, rb in enumerate(replica_batches) for _ in rb]
+        bs = rt.kv_caches[0].block_size
+        for c, s, ln, r in zip(ctxs, starts, lens, replica_of):
+            rt.kv_caches[r].reserve(c.kv[name], s + ln)  # no-op when the scheduler reserved
+        inputs, draft_index = _pack(
+            tokens_list, starts, lens, [c.kv[name].blocks for c in ctxs], bs,
+            return_n_logits, lookahead, self._ramp,
+        )
+        for c, ln in zip(ctxs, lens):
+            c.kv[name].num_tokens += ln
+        inputs.data_parallel_splits = splits
+        return PackedBatch(inputs, ctxs, num_new, lookahead, draft_index, return_n_logits)
+
+    def prepare_next_token_inputs(self, replica_batches: Sequence[Sequence[TextContext]]) -> PackedBatch:
+        """The decode-step path: only each request's one new token."""
+        return self.prepare_initial_token_inputs(
+            replica_batches, num_tokens=[1] * sum(len(rb) for rb in replica_batches)
+        )
+
+    def _ramp(self, n: int) -> torch.Tensor:
+        if self.scratch is None:
+            self.scratch = DecoderScratch.allocate(max(n, 1024))
+        return self.scratch.ramp(n)
+
+    def process_outputs(self, outputs: Sequence[DecoderOutputs | object], batch: PackedBatch | None = None) -> ModelOutputs:
+        """Maps the replicas' raw outputs to one :class:`ModelOutputs`."""
+        outs = [o for o in outputs if isinstance(o, DecoderOutputs)]
+        if not outs:
+            raise ValueError("process_outputs got no DecoderOutputs")
+        logits = outs[0].logits if len(outs) == 1 else torch.cat([o.logits for o in outs])
+        hidden = outs[0].hidden_states if len(outs) == 1 else torch.cat([o.hidden_states for o in outs])
+        n = batch.return_n_logits if batch is not None else 1
+        b = logits.shape[0] // n
+        return ModelOutputs(logits=logits, hidden_states=hidden, logit_offsets=torch.arange(b + 1) * n)
+
+
+def _pack(
+    tokens_list: list[int],
+    starts: list[int],
+    lens: list[int],
+    tables: list[list[int]],
+    block_size: int,
+    return_n_logits: int,
+    lookahead: int,
+    ramp: Any,
+) -> tuple[DecoderInputs, torch.Tensor | None]:
+    """Builds the index tensors of :class:`DecoderInputs` (see its worked example)."""
+    b = len(lens)
+    t = len(tokens_list)
+    start = torch.tensor(starts, dtype=torch.long)  # [B]
+    ln = torch.tensor(lens, dtype=torch.long)  # [B]
+    offset = torch.cumsum(ln, 0) - ln  # [B] first packed row of each request
+    req = torch.repeat_interleave(ramp(b), ln)  # [T] request of each row
+    local = ramp(t) - offset[req]  # [T] index within the request's new tokens
+    positions = start[req] + local  # [T]
+    max_blocks = max(len(x) for x in tables)
+    tbl = torch.zeros(b, max_blocks, dtype=torch.long)
+    for i, blocks in enumerate(tables):
+        tbl[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+    slot_mapping = tbl[req, positions // block_size] * block_size + positions % block_size
+    ctx_len = start + ln  # [B]
+    s = int(ctx_len.max())
+    p = ramp(s)
+    gather_slots = tbl[:, p // block_size] * block_size + p % block_size  # [B, S]
+    q = int(ln.max())
+    qi = ramp(q).unsqueeze(0)  # [1, Q]
+    valid = qi < ln.unsqueeze(1)  # [B, Q]
+    q_index = offset.unsqueeze(1) + torch.minimum(qi, ln.unsqueeze(1) - 1)  # [B, Q]
+    q_pos = torch.where(valid, start.unsqueeze(1) + qi, torch.zeros_like(qi))  # [B, Q]
+    out_index = req * q + local  # [T]
+    n = return_n_logits
+    k = ramp(n).unsqueeze(0)  # [1, n]
+    last = (offset + ln).unsqueeze(1)  # [B, 1] one past each request's last row
+    logit_index = torch.maximum(last - n + k, offset.unsqueeze(1)).reshape(-1)  # [B * n]
+    draft_index = None
+    if lookahead:
+        draft_index = last - lookahead + ramp(lookahead).unsqueeze(0)  # [B, lookahead]
+    inputs = DecoderInputs(
+        tokens=torch.tensor(tokens_list, dtype=torch.long),
+        positions=positions,
+        slot_mapping=slot_mapping,
+        gather_slots=gather_slots,
+        q_index=q_index,
+        q_pos=q_pos,
+        out_index=out_index,
+        logit_index=logit_index,
+        context_lengths=ctx_len,
+    )
+    return inputs, draft_index
+
+
+def split_replicas(inputs: DecoderInputs, n_logits: int) -> list[DecoderInputs]:
+    """One :class:`DecoderInputs` per data-parallel replica (rows re-based)."""
+    splits = inputs.data_parallel_splits
+    if len(splits) <= 2:
+        return [inputs]
+    q = inputs.q_index.shape[1]
+    ctx_len = inputs.context_lengths
+    assert ctx_len is not None
+    # Token offsets per replica from the per-request row counts.
+    lens = torch.bincount(inputs.out_index // q, minlength=inputs.q_index.shape[0])
+    tok_off = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lens, 0)])
+    out = []
+    for r in range(len(splits) - 1):
+        a, b = splits[r], splits[r + 1]
+        ta, tb = int(tok_off[a]), int(tok_off[b])
+        s = int(ctx_len[a:b].max())
+        out.append(
+            replace(
+                inputs,
+                tokens=inputs.tokens[ta:tb],
+                positions=inputs.positions[ta:tb],
+                slot_mapping=inputs.slot_mapping[ta:tb],
+                gather_slots=inputs.gather_slots[a:b, :s],
+                q_index=inputs.q_index[a:b] - ta,
+                q_pos=inputs.q_pos[a:b],
+                out_index=inputs.out_index[ta:tb] - a * q,
+                logit_index=inputs.logit_index[a * n_logits : b * n_logits] - ta,
+                context_lengths=ctx_len[a:b],
+                data_parallel_splits=[0, b - a],
+            )
+        )
+    return out
+
+
+__all__ = [
+    "BatchProcessorRuntime",
+    "DecoderBatchProcessor",
+    "DecoderScratch",
+    "PackedBatch",
+    "split_replicas",
+]

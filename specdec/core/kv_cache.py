@@ -1,0 +1,135 @@
+"""Paged KV cache: fixed-size blocks, an allocator, per-request block tables.
+
+Storage is one tensor per K and V, ``[layers, num_blocks * block_size,
+kv_heads, head_dim]``; token ``i`` of a request lives in *slot*
+``table.blocks[i // block_size] * block_size + i % block_size``. Attention
+gathers a request's slots (see :mod:`specdec.core.inputs`).
+
+Rolling back the last ``n`` tokens (rejected draft tokens) only moves the
+table's length back and frees blocks that become empty: the stale values are
+overwritten by the next append.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.core.inputs import KVCacheTensors
+
+
+class OutOfBlocks(RuntimeError):
+    """The allocator cannot satisfy a request: a scheduler event, not a crash."""
+
+
+@dataclass(frozen=True)
+class KVCacheParams:
+    """Shape of one decoder's paged cache (MAX's ``KVCacheParamInterface``)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int = 16
+    num_blocks: int = 256
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.num_blocks < 1:
+            raise ValueError(
+                f"kv cache needs block_size >= 1 and num_blocks >= 1, got "
+                f"block_size={self.block_size}, num_blocks={self.num_blocks}"
+            )
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+class BlockAllocator:
+    """A free list of block ids. Never hands out a block twice."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        # Pop from the end: low ids first, which keeps tests readable.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocks(f"need {n} KV blocks, {len(self._free)} free of {self.num_blocks}")
+        out = self._free[-n:] if n else []
+        del self._free[len(self._free) - n :]
+        return out[::-1]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+@dataclass
+class BlockTable:
+    """One request's blocks in one cache, and how many tokens they hold."""
+
+    blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+class PagedKVCache:
+    """One decoder's cache storage plus its allocator and the requests' tables.
+
+    Tables live in ``TextContext.kv[self.name]`` so a request carries its own
+    blocks; this object only hands blocks out and takes them back.
+    """
+
+    def __init__(self, params: KVCacheParams, name: str = "target") -> None:
+        self.params = params
+        self.name = name
+        shape = (params.num_layers, params.num_slots, params.num_kv_heads, params.head_dim)
+        self.tensors = KVCacheTensors(
+            k=torch.zeros(shape, dtype=params.dtype, device=params.device),
+            v=torch.zeros(shape, dtype=params.dtype, device=params.device),
+        )
+        self.allocator = BlockAllocator(params.num_blocks)
+
+    @property
+    def block_size(self) -> int:
+        return self.params.block_size
+
+    def blocks_needed(self, table: BlockTable, num_tokens: int) -> int:
+        """Extra blocks ``table`` needs to hold ``num_tokens`` tokens in all."""
+        need = -(-num_tokens // self.block_size)
+        return max(0, need - len(table.blocks))
+
+    def reserve(self, table: BlockTable, num_tokens: int) -> None:
+        """Makes room for ``num_tokens`` tokens in all (raises :class:`OutOfBlocks`)."""
+        n = self.blocks_needed(table, num_tokens)
+        if n:
+            table.blocks.extend(self.allocator.allocate(n))
+
+    def truncate(self, table: BlockTable, num_tokens: int) -> None:
+        """Keeps the first ``num_tokens`` tokens; frees blocks left empty."""
+        if num_tokens > table.num_tokens:
+            raise ValueError(f"cannot truncate {table.num_tokens} tokens to {num_tokens}")
+        table.num_tokens = num_tokens
+        keep = -(-num_tokens // self.block_size)
+        if len(table.blocks) > keep:
+            self.allocator.free(table.blocks[keep:])
+            del table.blocks[keep:]
+
+    def rollback(self, table: BlockTable, n: int) -> None:
+        """Drops the last ``n`` tokens (rejected draft tokens)."""
+        self.truncate(table, table.num_tokens - n)
+
+    def free(self, table: BlockTable) -> None:
+        self.allocator.free(table.blocks)
+        table.blocks = []
+        table.num_tokens = 0
+
+    def slots(self, table: BlockTable, start: int, end: int) -> list[int]:
+        """Slot ids of token positions ``start:end`` (blocks must be reserved)."""
+        bs = self.block_size
+        return [table.blocks[i // bs] * bs + i % bs for i in range(start, end)]

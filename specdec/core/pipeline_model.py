@@ -1,0 +1,241 @@
+"""Pipeline models: a registered decoder with its caches, batch processor and state.
+
+:func:`registered_pipeline_model` finalizes the config, constructs the
+decoder as ``decoder_cls(config)``, loads the checkpoint, allocates one paged
+KV cache per data-parallel replica and a :class:`DecoderBatchProcessor`, and
+returns a :class:`DecoderPipelineModel` ready to batch and execute.
+
+:class:`PlainGeneration` is the engine-facing pipeline of ordinary
+(non-speculative) decoding; the speculative one lives in
+:mod:`specdec.spec.pipeline` and follows the same :class:`GenerationPipeline`
+protocol.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from specdec.core.batch_processor import (
+    BatchProcessorRuntime,
+    DecoderBatchProcessor,
+    PackedBatch,
+    split_replicas,
+)
+from specdec.core.checkpoint import LoadedDecoder, load_decoder
+from specdec.core.context import TextContext
+from specdec.core.inputs import DecoderOutputs, ModelOutputs
+from specdec.core.kv_cache import BlockTable, KVCacheParams, PagedKVCache
+from specdec.core.registry import Role
+from specdec.core.state_store import RequestStateStore
+from specdec.sampling import LANE_TARGET, probs_from_logits, sample_from, sampling_tensors
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Sizes a pipeline model allocates for (one per model; no god-config)."""
+
+    max_batch_size: int = 32
+    max_seq_len: int = 1024
+    block_size: int = 16
+    num_blocks: int | None = None  # None: enough for max_batch_size full sequences
+    data_parallel_degree: int = 1
+    dtype: str | None = "float32"  # None: the checkpoint's declared dtype
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        for k in ("max_batch_size", "max_seq_len", "block_size", "data_parallel_degree"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"runtime.{k} must be >= 1, got {getattr(self, k)}")
+
+    def blocks(self, extra_tokens: int = 0) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        per_seq = -(-(self.max_seq_len + extra_tokens) // self.block_size)
+        return self.max_batch_size * per_seq
+
+
+class DecoderPipelineModel:
+    """Serves one registered decoder: module replicas, caches, batch processor."""
+
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        config: Any,
+        processor: DecoderBatchProcessor,
+        state_store: RequestStateStore | None = None,
+    ) -> None:
+        self.modules = list(modules)
+        self.config = config
+        self.processor = processor
+        self.state_store = state_store
+        processor.state_store = state_store
+
+    @property
+    def module(self) -> nn.Module:
+        return self.modules[0]
+
+    @property
+    def caches(self) -> list[PagedKVCache]:
+        return self.processor.runtime.kv_caches
+
+    @property
+    def cache_name(self) -> str:
+        return self.processor.runtime.cache_name
+
+    def build_module(self, context: Any, config_cls: type) -> nn.Module:
+        """The decoder class's ``build_module``, exposed as the pipeline's own."""
+        return type(self.module).build_module(context, config_cls)  # type: ignore[attr-defined]
+
+    @torch.inference_mode()
+    def execute(self, batch: PackedBatch) -> ModelOutputs:
+        """Runs the packed batch (each replica on its slice) -> :class:`ModelOutputs`."""
+        parts = split_replicas(batch.inputs, batch.return_n_logits)
+        outs: list[DecoderOutputs] = []
+        for r, inp in enumerate(parts):
+            if inp.tokens.numel() == 0:
+                continue
+            inp.kv_cache = self.caches[r].tensors
+            outs.append(self.modules[r](inp))
+        return self.processor.process_outputs(outs, batch)
+
+    # -- per-request KV bookkeeping ----------------------------------------------
+    def table(self, ctx: TextContext) -> BlockTable:
+        return ctx.kv.setdefault(self.cache_name, BlockTable())
+
+    def reserve(self, ctx: TextContext, num_tokens: int) -> None:
+        self.caches[ctx.replica].reserve(self.table(ctx), num_tokens)
+
+    def truncate(self, ctx: TextContext, num_tokens: int) -> None:
+        table = self.table(ctx)
+        if table.num_tokens > num_tokens:
+            self.caches[ctx.replica].truncate(table, num_tokens)
+
+    def free(self, ctx: TextContext) -> None:
+        table = ctx.kv.pop(self.cache_name, None)
+        if table is not None:
+            self.caches[ctx.replica].free(table)
+
+
+def registered_pipeline_model(
+    checkpoint: str | Path | LoadedDecoder,
+    runtime: RuntimeConfig = RuntimeConfig(),
+    *,
+    cache_name: str = "target",
+    role: Role = Role.DECODER,
+    extra_tokens: int = 0,
+) -> DecoderPipelineModel:
+    """Loads a registered decoder and wraps it for batching and execution.
+
+    ``extra_tokens``: per-sequence slack the KV cache must hold beyond
+    ``max_seq_len`` (draft lookahead).
+    """
+    dtype = getattr(torch, runtime.dtype) if runtime.dtype else None
+    loaded = checkpoint if isinstance(checkpoint, LoadedDecoder) else load_decoder(
+        checkpoint, role=role, dtype=dtype, device=runtime.device
+    )
+    module, config = loaded.module, loaded.config
+    module_cls = type(module)
+    if runtime.data_parallel_degree > 1 and not getattr(module_cls, "supports_data_parallel", False):
+        raise ValueError(f"{module_cls.__name__} does not support data parallelism")
+    if hasattr(module, "ensure_rope"):
+        module.ensure_rope(runtime.max_seq_len + extra_tokens + 1, runtime.device)
+    modules = [module] + [copy.deepcopy(module) for _ in range(runtime.data_parallel_degree - 1)]
+    wdtype = next(module.parameters()).dtype
+    kv_params = KVCacheParams(
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        block_size=runtime.block_size,
+        num_blocks=runtime.blocks(extra_tokens),
+        dtype=wdtype,
+        device=runtime.device,
+    )
+    caches = [PagedKVCache(kv_params, cache_name) for _ in range(runtime.data_parallel_degree)]
+    rt = BatchProcessorRuntime(
+        kv_caches=caches,
+        max_batch_size=runtime.max_batch_size,
+        max_seq_len=runtime.max_seq_len + extra_tokens,
+        device=runtime.device,
+    )
+    specs = module_cls.state_store(config, max_batch_size=runtime.max_batch_size, devices=[torch.device(runtime.device)])
+    store = None
+    if specs:
+        store = RequestStateStore(specs, max_batch_size=runtime.max_batch_size, device=runtime.device)
+    processor = DecoderBatchProcessor(config, rt)
+    if store is not None and not isinstance(processor, DecoderBatchProcessor):
+        raise TypeError(f"{module_cls.__name__} declares a state store; it must be served by a DecoderBatchProcessor")
+    return DecoderPipelineModel(modules, config, processor, store)
+
+
+class GenerationPipeline(Protocol):
+    """What the engine drives: one step over a batch, and KV bookkeeping."""
+
+    max_seq_len: int
+    vocab_size: int
+
+    def reserve(self, ctx: TextContext, num_new: int) -> None:
+        """Makes KV room for feeding ``num_new`` more tokens (raises OutOfBlocks)."""
+
+    def step(self, batch: list[TextContext], num_new: list[int]) -> list[list[int]]:
+        """Feeds ``num_new[i]`` tokens of each request; returns each one's new tokens."""
+
+    def free(self, ctx: TextContext) -> None:
+        """Releases everything the request holds (KV blocks, state slots)."""
+
+    def unprocessed(self, ctx: TextContext) -> int:
+        """Tokens of ``ctx`` not yet in the model's cache."""
+
+
+class PlainGeneration:
+    """Ordinary decoding: one target forward per step, one token per request."""
+
+    def __init__(self, target: DecoderPipelineModel, max_seq_len: int) -> None:
+        self.target = target
+        self.max_seq_len = max_seq_len
+        self.vocab_size = target.config.vocab_size
+        self.num_forwards = 0
+
+    def unprocessed(self, ctx: TextContext) -> int:
+        return len(ctx.tokens) - ctx.processed(self.target.cache_name)
+
+    def reserve(self, ctx: TextContext, num_new: int) -> None:
+        self.target.reserve(ctx, ctx.processed(self.target.cache_name) + num_new)
+
+    def free(self, ctx: TextContext) -> None:
+        self.target.free(ctx)
+
+    def replica_batches(self, batch: list[TextContext]) -> list[list[TextContext]]:
+        out: list[list[TextContext]] = [[] for _ in self.target.caches]
+        for c in batch:
+            out[c.replica].append(c)
+        return out
+
+    @torch.inference_mode()
+    def step(self, batch: list[TextContext], num_new: list[int]) -> list[list[int]]:
+        rb = self.replica_batches(batch)
+        order = [c for r in rb for c in r]
+        n_of = {id(c): n for c, n in zip(batch, num_new)}
+        packed = self.target.processor.prepare_initial_token_inputs(rb, num_tokens=[n_of[id(c)] for c in order])
+        out = self.target.execute(packed)
+        self.num_forwards += 1
+        logits = out.logits  # [B, V]
+        st = sampling_tensors([c.sampling for c in order], [c.seed for c in order])
+        if st.all_greedy:
+            toks = logits.argmax(-1)
+        else:
+            probs = probs_from_logits(logits.unsqueeze(1), st).squeeze(1)
+            pos = torch.tensor([len(c.tokens) for c in order], dtype=torch.long)
+            toks = sample_from(probs, st.seeds, pos, LANE_TARGET)
+        toks_list = toks.tolist()
+        result = {}
+        for c, t in zip(order, toks_list):
+            # A prefill chunk that stops short of the end emits nothing.
+            result[id(c)] = [t] if c.processed(self.target.cache_name) == len(c.tokens) else []
+        return [result[id(c)] for c in batch]

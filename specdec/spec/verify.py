@@ -1,0 +1,100 @@
+"""Verification: which draft tokens the target keeps, and the token it adds.
+
+Terms (per request, one step, γ draft tokens ``d_1 … d_γ``):
+
+- **accepted**: the longest prefix of the draft the target keeps;
+- **recovered**: the token the target puts in place of the first rejected
+  draft token, drawn from the residual ``norm(max(0, p - q))``;
+- **bonus**: the target's token after the last draft token when *all* are
+  accepted, drawn from ``p`` at position γ + 1.
+
+Each step emits ``accepted + 1`` tokens: the accepted drafts then one
+recovered or bonus token. Greedy is the case where ``p`` and ``q`` are one-hot
+at the argmax: a draft token is accepted iff it equals the target's argmax.
+
+Worked example (γ = 3, one request, greedy)::
+
+    draft_tokens          = [[5, 7, 9]]          # [B=1, γ=3]
+    target argmax at i    = [[5, 7, 2, 4]]       # [B, γ+1]: after prefix, after d1, after d2, after d3
+    matches               = [[1, 1, 0]]          # d1, d2 kept; d3 rejected
+    num_accepted          = [2]                  # cumprod(matches).sum()
+    output_tokens         = [[5, 7, 2, -1]]      # accepted drafts, then argmax[2] (recovered)
+
+Had all three matched, ``output_tokens = [[5, 7, 9, 4]]`` with 4 the bonus.
+With per-request γ, rows with fewer drafts (``num_draft[b] < γ``) treat the
+positions past ``num_draft[b]`` as rejected and take their bonus from ``p`` at
+``num_draft[b]``. ``num_draft = 0`` is plain decoding.
+
+Why sampling is lossless (Leviathan et al. 2023, Chen et al. 2023): a draft
+token ``x ~ q`` is kept with probability ``min(1, p(x)/q(x))``, so it is
+emitted with probability ``min(q(x), p(x))``; on rejection (probability
+``1 - Σ min(p, q)``) the residual adds ``max(0, p(x) - q(x))`` — together
+exactly ``p(x)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.sampling import LANE_ACCEPT, LANE_RESIDUAL, LANE_TARGET, sample_from, uniform
+
+
+def _finish(
+    draft_tokens: torch.Tensor,  # [B, γ]
+    accept: torch.Tensor,  # [B, γ] bool
+    fill: torch.Tensor,  # [B, γ+1] the token to emit if position i is the first not accepted
+    num_draft: torch.Tensor,  # [B]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, g = draft_tokens.shape
+    ar = torch.arange(g, device=draft_tokens.device)
+    accept = accept & (ar < num_draft.unsqueeze(1))  # positions past a request's γ are rejected
+    num_accepted = torch.cumprod(accept.long(), dim=1).sum(dim=1)  # [B]
+    out = torch.full((b, g + 1), -1, dtype=torch.long, device=draft_tokens.device)
+    out[:, :g] = torch.where(ar < num_accepted.unsqueeze(1), draft_tokens, -1)
+    out.scatter_(1, num_accepted.unsqueeze(1), fill.gather(1, num_accepted.unsqueeze(1)))
+    return out, num_accepted
+
+
+def verify_greedy(
+    *,
+    draft_tokens: torch.Tensor,  # [B, γ] int64
+    target_logits: torch.Tensor,  # [B, γ+1, V]
+    num_draft: torch.Tensor,  # [B] int64, each request's γ (<= the padded γ)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification -> ``(output_tokens [B, γ+1] (-1 past the end), num_accepted [B])``."""
+    argmax = target_logits.argmax(dim=-1)  # [B, γ+1]
+    accept = draft_tokens == argmax[:, :-1]
+    return _finish(draft_tokens, accept, argmax, num_draft)
+
+
+def verify_sampled(
+    *,
+    draft_tokens: torch.Tensor,  # [B, γ] int64
+    draft_probs: torch.Tensor | None,  # [B, γ, V], or None: drafts are deterministic (q one-hot)
+    target_probs: torch.Tensor,  # [B, γ+1, V], after temperature / top-k / top-p
+    num_draft: torch.Tensor,  # [B] int64
+    seeds: torch.Tensor,  # [B] int64
+    positions: torch.Tensor,  # [B, γ+1] int64, sequence position each emitted token takes
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless speculative sampling -> ``(output_tokens [B, γ+1], num_accepted [B])``."""
+    b, g = draft_tokens.shape
+    p_d = target_probs[:, :g].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [B, γ]
+    if draft_probs is None:
+        q = torch.zeros_like(target_probs[:, :g]).scatter_(-1, draft_tokens.unsqueeze(-1), 1.0)
+    else:
+        q = draft_probs
+    q_d = q.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # [B, γ]
+    u = uniform(seeds.unsqueeze(1), positions[:, :g], LANE_ACCEPT)  # [B, γ]
+    accept = u * q_d <= p_d  # u < p/q without dividing; q_d > 0 for a drawn token
+    # Recovered token at each position, from norm(max(0, p - q)); if p == q
+    # exactly the residual is empty and rejection cannot happen there anyway.
+    residual = (target_probs[:, :g] - q).clamp(min=0)  # [B, γ, V]
+    empty = residual.sum(-1, keepdim=True) <= 0
+    residual = torch.where(empty, target_probs[:, :g], residual)
+    recovered = sample_from(residual, seeds.unsqueeze(1), positions[:, :g], LANE_RESIDUAL)  # [B, γ]
+    bonus = sample_from(target_probs, seeds.unsqueeze(1), positions, LANE_TARGET)  # [B, γ+1]
+    # Position i is the first not accepted: recovered if a draft stood there, else bonus.
+    ar = torch.arange(g + 1, device=draft_tokens.device)
+    recovered_ext = torch.cat([recovered, bonus[:, -1:]], dim=1)
+    fill = torch.where(ar < num_draft.unsqueeze(1), recovered_ext, bonus)
+    return _finish(draft_tokens, accept, fill, num_draft)
