@@ -70,7 +70,9 @@ class DecoderPipelineModel:
         config: Any,
         processor: DecoderBatchProcessor,
         state_store: RequestStateStore | None = None,
+        path: Path | None = None,
     ) -> None:
+        self.path = path  # the checkpoint directory, when loaded from one
         self.modules = list(modules)
         self.config = config
         self.processor = processor
@@ -171,7 +173,7 @@ def registered_pipeline_model(
     processor = DecoderBatchProcessor(config, rt)
     if store is not None and not isinstance(processor, DecoderBatchProcessor):
         raise TypeError(f"{module_cls.__name__} declares a state store; it must be served by a DecoderBatchProcessor")
-    return DecoderPipelineModel(modules, config, processor, store)
+    return DecoderPipelineModel(modules, config, processor, store, path=loaded.path)
 
 
 class GenerationPipeline(Protocol):

@@ -14,6 +14,7 @@ are the knobs the seed page lists; each has a documented default.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -22,6 +23,14 @@ from torch import nn
 
 if TYPE_CHECKING:
     from specdec.core.state_store import StateSpec
+
+
+@dataclass
+class BuildContext:
+    """What ``build_module`` gets: a config and, optionally, weights to adopt."""
+
+    config: Any
+    state_dict: dict[str, torch.Tensor] | None = None
 
 
 class Role(enum.Enum):
@@ -68,19 +77,28 @@ class DecoderModule(nn.Module):
     def build_module(cls, context: Any, config_cls: type) -> nn.Module:
         """Builds the module a speculative-decoding module calls as its target.
 
-        ``context`` carries what the caller has (at least ``config``, an
-        instance of ``config_cls`` or a dict it parses, and optionally
-        ``state_dict``). The default constructs ``cls(config)`` and loads the
-        state dict when one is given.
+        ``context`` has ``config`` (an instance of ``config_cls``, or a dict
+        its ``from_dict`` parses) and optionally ``state_dict``. With a state
+        dict the module is built without storage and takes the given tensors
+        as its own (``assign=True``): a target built from a loaded decoder
+        shares its weights instead of copying them.
         """
         config = context.config if hasattr(context, "config") else context["config"]
         if not isinstance(config, config_cls):
             config = config_cls.from_dict(config)
-        module = cls(config)
         state_dict = getattr(context, "state_dict", None)
-        if state_dict is not None:
-            module.load_state_dict(state_dict, strict=cls.strict_state_dict_loading)
-        return module
+        if state_dict is None:
+            return cls(config)
+        with torch.device("meta"):
+            module = cls(config)
+        module.load_state_dict(state_dict, strict=cls.strict_state_dict_loading, assign=True)
+        for sub in module.modules():  # non-persistent buffers come back empty
+            for name, buf in list(sub._buffers.items()):
+                if buf is not None and buf.is_meta:
+                    sub._buffers[name] = torch.empty(0)
+        if getattr(config, "tie_word_embeddings", False) and hasattr(module, "lm_head"):
+            module.lm_head.weight = module.model.embed_tokens.weight  # type: ignore[union-attr]
+        return module.eval()
 
     @classmethod
     def state_store(

@@ -105,6 +105,25 @@ def build_model(cfg: LlamaConfig, seed: int) -> LlamaDecoder:
     return model
 
 
+def init_from_teacher(student: LlamaDecoder, teacher: LlamaDecoder, layers: Sequence[int]) -> None:
+    """Copies the teacher's embedding, final norm and ``layers`` into ``student`` (same width).
+
+    ``student.model.layers[i]`` starts as ``teacher.model.layers[layers[i]]``;
+    e.g. ``[0, n - 1]`` gives a 2-layer draft the target's first and last layer.
+    """
+    if student.config.hidden_size != teacher.config.hidden_size:
+        raise ValueError("init_from_teacher needs equal hidden sizes")
+    if len(layers) != student.config.num_hidden_layers:
+        raise ValueError(f"{len(layers)} layers named for a {student.config.num_hidden_layers}-layer student")
+    with torch.no_grad():
+        student.model.embed_tokens.weight.copy_(teacher.model.embed_tokens.weight)
+        student.model.norm.weight.copy_(teacher.model.norm.weight)
+        if not student.config.tie_word_embeddings:
+            student.lm_head.weight.copy_(teacher.lm_head.weight)
+        for i, j in enumerate(layers):
+            student.model.layers[i].load_state_dict(teacher.model.layers[j].state_dict())
+
+
 def count_params(model: nn.Module) -> int:
     """Distinct parameters (a tied embedding counts once)."""
     return sum(p.numel() for p in model.parameters())
@@ -194,13 +213,13 @@ def train_lm(
         if tc.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
         opt.step()
-        val = float(ce)
+        val = float(ce.detach())
         ema = val if ema is None else 0.98 * ema + 0.02 * val
         if step % log_every == 0 or step == tc.steps - 1:
             curve.append((step, round(val, 4)))
             post = {"ce": f"{ema:.3f}"}
             if teacher is not None:
-                post["kl"] = f"{float(kd):.3f}"
+                post["kl"] = f"{float(kd.detach()):.3f}"
             bar.set_postfix(post)
     model.eval()
     return TrainStats(
@@ -299,8 +318,8 @@ def simulate_greedy_speculation(
     }
 
 
-def time_forward(model: LlamaDecoder, seq: int = 128, tokens: int = 1, reps: int = 20) -> float:
-    """Median seconds of a dense forward of ``tokens`` x ... a rough batch-1 cost probe."""
+def time_forward(model: LlamaDecoder, seq: int = 128, reps: int = 20) -> float:
+    """Median seconds of a batch-1 dense forward of ``seq`` tokens: a rough per-call cost probe."""
     x = torch.randint(0, model.config.vocab_size, (1, seq))
     ts = []
     with torch.no_grad():

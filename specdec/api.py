@@ -1,0 +1,108 @@
+"""The offline API::
+
+    from specdec import LLM, SamplingParams
+    llm = LLM("path/to/target", method=DraftModelConfig(path="path/to/draft"))
+    outs = llm.generate(["def fib(n):"], SamplingParams(max_new_tokens=64))
+
+``method=None`` is plain decoding of the target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specdec.core.checkpoint import load_tokenizer
+from specdec.core.context import SamplingParams, TextContext
+from specdec.core.pipeline_model import (
+    GenerationPipeline,
+    PlainGeneration,
+    RuntimeConfig,
+    registered_pipeline_model,
+)
+from specdec.engine import Engine, EngineConfig, GenerationOutput
+
+
+def build_pipeline(target: str | Path, method: Any | None, runtime: RuntimeConfig) -> GenerationPipeline:
+    """Plain decoding (``method`` None or γ = 0 … still speculative when given) or speculation.
+
+    ``method`` is a proposer config (e.g. ``NgramConfig``, ``DraftModelConfig``):
+    its ``name`` finds the proposer class in the registry.
+    """
+    if method is None:
+        return PlainGeneration(registered_pipeline_model(target, runtime), runtime.max_seq_len)
+    from specdec.spec.pipeline import SpecConfig, SpecDecodePipelineModel
+    from specdec.spec.proposers import ProposerDeps, proposer_class
+
+    gamma = int(method.num_speculative_tokens)
+    target_pm = registered_pipeline_model(target, runtime, extra_tokens=gamma + 1)
+    proposer = proposer_class(method.name)(method, ProposerDeps(runtime=runtime, target=target_pm))
+    return SpecDecodePipelineModel(
+        target_pm, proposer, SpecConfig(num_speculative_tokens=gamma), max_seq_len=runtime.max_seq_len
+    )
+
+
+@dataclass
+class LLM:
+    """A target (and optionally a drafting method) ready to generate."""
+
+    target: str | Path
+    method: Any | None = None
+    runtime: RuntimeConfig = RuntimeConfig()
+    engine_config: EngineConfig = EngineConfig()
+
+    def __post_init__(self) -> None:
+        self.pipeline = build_pipeline(self.target, self.method, self.runtime)
+        cfg = self._target_config()
+        self.eos_token_ids = tuple(cfg.eos_token_id)
+        tok_file = Path(self.target) / "tokenizer.json"
+        self.tokenizer = load_tokenizer(self.target, cfg.vocab_size) if tok_file.is_file() else None
+
+    def _target_config(self) -> Any:
+        p = self.pipeline
+        return p.target.config  # type: ignore[union-attr]
+
+    def new_engine(self) -> Engine:
+        return Engine(self.pipeline, self.engine_config, eos_token_ids=self.eos_token_ids)
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"no tokenizer.json in {str(self.target)!r}: pass token ids instead of text")
+        return list(self.tokenizer.encode(text).ids)
+
+    def decode(self, ids: Sequence[int]) -> str | None:
+        return self.tokenizer.decode(list(ids)) if self.tokenizer is not None else None
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    ) -> list[GenerationOutput]:
+        """Generates for every prompt (text or token ids); outputs in prompt order."""
+        engine = self.new_engine()
+        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        ctxs: list[TextContext] = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            try:
+                ids = self.encode(p) if isinstance(p, str) else list(p)
+            except ValueError as e:
+                ids, sp = [], sp
+                ctx = engine.add_request([], sp, request_id=f"req-{i}")
+                ctx.error = f"request 'req-{i}': {e}"
+                ctxs.append(ctx)
+                continue
+            ctxs.append(engine.add_request(ids, sp, request_id=f"req-{i}"))
+        engine.run()
+        return [
+            GenerationOutput(
+                request_id=c.request_id,
+                token_ids=c.generated,
+                text=self.decode(c.generated),
+                finish_reason=c.finish_reason,
+                error=c.error,
+                prompt_len=c.prompt_len,
+            )
+            for c in ctxs
+        ]

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers, verification, the draft-and-verify pipeline, metrics."""

@@ -1,0 +1,81 @@
+"""Speculation figures, defined once (see DESIGN.md):
+
+- γ: draft tokens proposed per request per step;
+- accepted: draft tokens the target keeps; bonus: the one token the target
+  adds each step (after the last accepted one, or in place of the first
+  rejected one);
+- τ (mean accepted length) = (accepted + bonus) / target forward passes —
+  tokens per target call; plain decoding has τ = 1. Counted per request:
+  a request's target passes are the verification steps it took part in;
+- α (acceptance rate) = accepted / proposed;
+- per-position acceptance: P(draft token i accepted | tokens < i accepted) =
+  accepted_at[i] / reached[i].
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class SpecCounts:
+    """Counters of one request or of a whole run."""
+
+    steps: int = 0  # verification steps (target forward passes per request)
+    proposed: int = 0
+    accepted: int = 0
+    bonus: int = 0
+    reached: list[int] = field(default_factory=list)  # [γ] draft position i was verified
+    accepted_at: list[int] = field(default_factory=list)  # [γ] and accepted there
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        """One verification step: ``num_draft`` proposed, ``num_accepted`` kept."""
+        self.steps += 1
+        self.proposed += num_draft
+        self.accepted += num_accepted
+        self.bonus += 1
+        if len(self.reached) < num_draft:
+            grow = num_draft - len(self.reached)
+            self.reached += [0] * grow
+            self.accepted_at += [0] * grow
+        # Position i is reached when all before it were accepted.
+        for i in range(min(num_draft, num_accepted + 1)):
+            self.reached[i] += 1
+        for i in range(num_accepted):
+            self.accepted_at[i] += 1
+
+    def merge(self, other: SpecCounts) -> None:
+        self.steps += other.steps
+        self.proposed += other.proposed
+        self.accepted += other.accepted
+        self.bonus += other.bonus
+        n = max(len(self.reached), len(other.reached))
+        self.reached = [a + b for a, b in zip(_pad(self.reached, n), _pad(other.reached, n))]
+        self.accepted_at = [a + b for a, b in zip(_pad(self.accepted_at, n), _pad(other.accepted_at, n))]
+
+    @property
+    def tau(self) -> float:
+        return (self.accepted + self.bonus) / self.steps if self.steps else 0.0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def per_position(self) -> list[float]:
+        return [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached)]
+
+    def summary(self) -> dict[str, Any]:
+        return {**asdict(self), "tau": self.tau, "alpha": self.alpha, "per_position_acceptance": self.per_position}
+
+
+def _pad(x: list[int], n: int) -> list[int]:
+    return x + [0] * (n - len(x))
+
+
+def analytic_limit(*, tau: float, gamma: int, t_target_1: float, t_target_g1: float, t_draft_1: float) -> float:
+    """Best speedup the measured forward times allow:
+    τ · T_target(1) / (T_target(γ+1) + γ · T_draft(1))."""
+    denom = t_target_g1 + gamma * t_draft_1
+    return tau * t_target_1 / denom if denom > 0 else 0.0

@@ -1,0 +1,267 @@
+"""Speculative decoding: the draft-and-verify module and its pipeline model.
+
+One step, for a ragged batch of requests (see docs/architecture.md)::
+
+    host:   proposer.prepare   -> DraftBatch   (draft inputs: positions, KV slots …)
+            target processor   -> DecoderInputs with γ placeholder rows per request
+    device: DraftAndVerify(...)                 one module call
+              drafter   -> draft tokens [B, γ], q [B, γ, V]
+              target    -> logits of the last γ+1 rows of each request
+              verify    -> output tokens [B, γ+1], num_accepted [B]
+    host:   read tokens and counts (the one sync), roll both KV caches back
+            past rejected tokens, hand the new tokens to the engine
+
+The target module is built by the target decoder class's ``build_module``
+and called as a submodule; the draft and target batch processors share one
+:class:`RequestStateStore` holding each request's sampling parameters and
+seed, acceptance counters and last draft tokens, addressed by slot.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from specdec.core.context import TextContext
+from specdec.core.inputs import DecoderInputs
+from specdec.core.pipeline_model import DecoderPipelineModel
+from specdec.core.registry import BuildContext
+from specdec.core.state_store import RequestStateStore, StateSpec
+from specdec.sampling import SamplingTensors, probs_from_logits
+from specdec.spec.metrics import SpecCounts
+from specdec.spec.proposers.base import DraftBatch, Proposer
+from specdec.spec.verify import verify_greedy, verify_sampled
+
+
+@dataclass
+class StepOutput:
+    tokens: torch.Tensor  # [B, γ+1] accepted drafts then the recovered/bonus token; -1 past it
+    num_accepted: torch.Tensor  # [B]
+    draft_tokens: torch.Tensor  # [B, γ]
+
+
+class DraftAndVerify(nn.Module):
+    """Drafts, verifies and accepts in one call. ``target`` is a submodule."""
+
+    def __init__(self, target: nn.Module, drafter: nn.Module) -> None:
+        super().__init__()
+        self.target = target
+        self.drafter = drafter
+        self.draft_time = 0.0  # seconds spent in the drafter (host clock)
+        self.target_time = 0.0
+
+    def forward(
+        self,
+        *,
+        target_inputs: DecoderInputs,  # packed; γ placeholder rows per request
+        draft_index: torch.Tensor | None,  # [B, γ] packed rows of the placeholders
+        draft: DraftBatch | None,  # None: γ = 0, plain decoding
+        sampling: SamplingTensors,
+        num_draft: torch.Tensor,  # [B] drafts each request really proposes
+        positions: torch.Tensor,  # [B, γ+1] sequence position of each emitted token
+    ) -> StepOutput:
+        t0 = time.perf_counter()
+        b = positions.shape[0]
+        if draft is not None and draft.gamma > 0:
+            d = self.drafter(draft, sampling)
+            draft_tokens, draft_probs = d.tokens, d.probs  # [B, γ], [B, γ, V] | None
+            tokens = target_inputs.tokens.index_put((draft_index.reshape(-1),), draft_tokens.reshape(-1))
+            target_inputs = replace(target_inputs, tokens=tokens)
+        else:
+            draft_tokens = torch.zeros(b, 0, dtype=torch.long)
+            draft_probs = None
+        t1 = time.perf_counter()
+        logits = self.target(target_inputs).logits  # [B * (γ+1), V]
+        t2 = time.perf_counter()
+        logits = logits.view(b, -1, logits.shape[-1])  # [B, γ+1, V]
+        if sampling.all_greedy:
+            out, acc = verify_greedy(draft_tokens=draft_tokens, target_logits=logits, num_draft=num_draft)
+        else:
+            out, acc = verify_sampled(
+                draft_tokens=draft_tokens,
+                draft_probs=draft_probs,
+                target_probs=probs_from_logits(logits, sampling),
+                num_draft=num_draft,
+                seeds=sampling.seeds,
+                positions=positions,
+            )
+        self.draft_time += t1 - t0
+        self.target_time += t2 - t1
+        return StepOutput(tokens=out, num_accepted=acc, draft_tokens=draft_tokens)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculation settings shared by every proposer."""
+
+    num_speculative_tokens: int = 4  # γ; 0 is plain decoding
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.num_speculative_tokens <= 64):
+            raise ValueError(f"method.num_speculative_tokens must be in [0, 64], got {self.num_speculative_tokens}")
+
+
+def spec_state_specs(gamma: int) -> list[StateSpec]:
+    """The per-request state the draft and target processors share."""
+    return [
+        StateSpec("seed", torch.long),
+        StateSpec("temperature", torch.float32),
+        StateSpec("top_k", torch.long),
+        StateSpec("top_p", torch.float32, fill=1.0),
+        StateSpec("num_accepted", torch.long),  # last step's
+        StateSpec("draft_tokens", torch.long, ("max_draft",)),  # last step's proposals
+    ]
+
+
+class SpecDecodePipelineModel:
+    """Links the draft and target batch processors; the engine's speculative pipeline."""
+
+    def __init__(
+        self,
+        target: DecoderPipelineModel,
+        proposer: Proposer,
+        config: SpecConfig,
+        *,
+        max_seq_len: int,
+    ) -> None:
+        if len(target.caches) != 1:
+            raise ValueError("speculative decoding runs one replica (data_parallel_degree=1)")
+        self.target = target
+        self.proposer = proposer
+        self.config = config
+        self.max_seq_len = max_seq_len
+        self.vocab_size = target.config.vocab_size
+        gmax = max(config.num_speculative_tokens, 1)
+        self.state = RequestStateStore(
+            spec_state_specs(gmax),
+            max_batch_size=target.processor.runtime.max_batch_size,
+            dims={"max_draft": gmax},
+        )
+        target.processor.state_store = self.state
+        draft_pipeline = getattr(proposer, "pipeline", None)
+        if draft_pipeline is not None:
+            draft_pipeline.processor.state_store = self.state
+        # The target decoder class builds the module we call as a submodule;
+        # it adopts the loaded weights (no copy).
+        built = target.build_module(
+            BuildContext(config=target.config, state_dict=target.module.state_dict()), type(target.config)
+        )
+        if hasattr(built, "ensure_rope"):
+            built.ensure_rope(target.processor.runtime.max_seq_len + 1)
+        self.module = DraftAndVerify(built, proposer.drafter)
+        self.counts: dict[str, SpecCounts] = {}
+        self.num_target_forwards = 0
+
+    # -- engine protocol -------------------------------------------------------------
+    def unprocessed(self, ctx: TextContext) -> int:
+        return len(ctx.tokens) - ctx.processed(self.target.cache_name)
+
+    def gamma_for(self, ctx: TextContext) -> int:
+        """γ for this request now: its own or the method's, never past its limits."""
+        g = self.config.num_speculative_tokens
+        if ctx.num_speculative_tokens is not None:
+            g = min(g, ctx.num_speculative_tokens)
+        left = ctx.sampling.max_new_tokens - ctx.num_generated - 1  # the bonus token is free
+        room = self.max_seq_len - len(ctx.tokens) - 1
+        return max(0, min(g, left, room))
+
+    def reserve(self, ctx: TextContext, num_new: int) -> None:
+        if ctx.slot is None:
+            ctx.slot = self.state.allocate(ctx.request_id)
+            sp = ctx.sampling
+            for name, value in (("seed", ctx.seed), ("temperature", sp.temperature), ("top_k", sp.top_k), ("top_p", sp.top_p)):
+                self.state.tensors[name][ctx.slot] = value
+        processed = ctx.processed(self.target.cache_name)
+        full = processed + num_new == len(ctx.tokens)
+        # The batch pads every request to the step's largest γ, so reserve for
+        # the method's γ (the bound on that pad).
+        g = self.config.num_speculative_tokens if full and self.gamma_for(ctx) else 0
+        self.target.reserve(ctx, processed + num_new + g)
+        if g:
+            self.proposer.reserve(ctx, g)
+
+    def free(self, ctx: TextContext) -> None:
+        self.target.free(ctx)
+        self.proposer.free(ctx)
+        if ctx.slot is not None:
+            self.state.release(ctx.slot)
+            ctx.slot = None
+
+    def _sampling(self, batch: list[TextContext]) -> SamplingTensors:
+        slots = torch.tensor([c.slot for c in batch], dtype=torch.long)
+        temps = [c.sampling.temperature for c in batch]
+        g = self.state.gather
+        return SamplingTensors(
+            temperature=g("temperature", slots),
+            top_k=g("top_k", slots),
+            top_p=g("top_p", slots),
+            seeds=g("seed", slots),
+            all_greedy=all(t == 0 for t in temps),
+            any_greedy=any(t == 0 for t in temps),
+            any_top_k=any(c.sampling.top_k > 0 for c in batch),
+            any_top_p=any(c.sampling.top_p < 1.0 for c in batch),
+        )
+
+    @torch.inference_mode()
+    def step(self, batch: list[TextContext], num_new: list[int]) -> list[list[int]]:
+        result: dict[int, list[int]] = {}
+        chunks = [(c, n) for c, n in zip(batch, num_new) if n != self.unprocessed(c)]
+        spec = [c for c, n in zip(batch, num_new) if n == self.unprocessed(c)]
+        if chunks:  # partial prefill: the target sees a chunk, nothing is emitted
+            packed = self.target.processor.prepare_initial_token_inputs(
+                [[c for c, _ in chunks]], num_tokens=[n for _, n in chunks]
+            )
+            self.target.execute(packed)
+            self.num_target_forwards += 1
+            for c, _ in chunks:
+                result[id(c)] = []
+        if spec:
+            for c, toks in zip(spec, self._spec_step(spec)):
+                result[id(c)] = toks
+        return [result[id(c)] for c in batch]
+
+    def _spec_step(self, batch: list[TextContext]) -> list[list[int]]:
+        gammas = [self.gamma_for(c) for c in batch]
+        gamma = max(gammas)
+        lens = [len(c.tokens) for c in batch]
+        draft = self.proposer.prepare(batch, gamma, gammas) if gamma else None
+        num_draft = draft.num_draft if draft is not None else torch.zeros(len(batch), dtype=torch.long)
+        packed = self.target.processor.prepare_initial_token_inputs(
+            [batch], return_n_logits=gamma + 1, lookahead=gamma
+        )
+        inputs = replace(packed.inputs, kv_cache=self.target.caches[0].tensors)
+        positions = torch.tensor(lens, dtype=torch.long).unsqueeze(1) + torch.arange(gamma + 1)
+        out = self.module(
+            target_inputs=inputs,
+            draft_index=packed.draft_index,
+            draft=draft,
+            sampling=self._sampling(batch),
+            num_draft=num_draft,
+            positions=positions,
+        )
+        self.num_target_forwards += 1
+        slots = torch.tensor([c.slot for c in batch], dtype=torch.long)
+        self.state.scatter("num_accepted", slots, out.num_accepted)
+        if gamma:
+            self.state.tensors["draft_tokens"][slots, :gamma] = out.draft_tokens
+        tokens = out.tokens.tolist()  # the one host sync of the step
+        accepted = out.num_accepted.tolist()
+        nd = num_draft.tolist()
+        new: list[list[int]] = []
+        for c, toks, k, n, ln in zip(batch, tokens, accepted, nd, lens):
+            self.counts.setdefault(c.request_id, SpecCounts()).record(n, k)
+            # Target keeps the committed tokens but the last (it is fed next step).
+            self.target.truncate(c, ln + k)
+            self.proposer.commit(c, ln + k + 1)
+            new.append(toks[: k + 1])
+        return new
+
+    # -- figures ---------------------------------------------------------------------
+    def run_counts(self) -> SpecCounts:
+        total = SpecCounts()
+        for c in self.counts.values():
+            total.merge(c)
+        return total

@@ -1,0 +1,174 @@
+"""Independent draft model: any registered decoder sharing the target's vocabulary.
+
+Each step the drafter (1) catches up on the request's tokens it has not seen
+(the whole prompt at first, then the tokens the last step committed), which
+yields the first draft token, then (2) runs ``γ - 1`` one-token steps, each
+feeding the previous draft token. All positions and KV slots are packed on the
+host beforehand, so the loop runs inside the draft-and-verify module without a
+host round trip. Its paged KV cache is rolled back in step with the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from specdec.core.batch_processor import DecoderScratch
+from specdec.core.context import TextContext
+from specdec.core.inputs import DecoderInputs
+from specdec.core.pipeline_model import DecoderPipelineModel, registered_pipeline_model
+from specdec.sampling import LANE_DRAFT, SamplingTensors, probs_from_logits, sample_from
+from specdec.spec.proposers.base import (
+    DraftBatch,
+    Drafter,
+    DraftOutput,
+    Proposer,
+    ProposerDeps,
+    register_proposer,
+)
+
+
+@dataclass(frozen=True)
+class DraftModelConfig:
+    name: str = "draft_model"
+    path: str = ""
+    num_speculative_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("method.path (the draft checkpoint directory) is required for draft_model")
+
+
+@dataclass
+class DraftModelBatch(DraftBatch):
+    catch_up: DecoderInputs | None = None  # the unseen tokens of each request, logits of the last
+    step_positions: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [γ-1, B] int64
+    step_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [γ-1, B] int64
+    gather_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [B, S] through the last draft
+
+
+class DraftModelDrafter(Drafter):
+    """Device half: the draft decoder as a submodule, sampling ``γ`` tokens."""
+
+    def __init__(self, pipeline: DecoderPipelineModel) -> None:
+        super().__init__()
+        self.decoder = pipeline.module
+        self._pipeline = pipeline  # the KV storage lives with the pipeline model
+        self._scratch = DecoderScratch.allocate(1024)
+
+    def forward(self, batch: DraftModelBatch, sampling: SamplingTensors) -> DraftOutput:  # type: ignore[override]
+        assert batch.catch_up is not None
+        kv = self._pipeline.caches[0].tensors
+        logits = self.decoder(replace(batch.catch_up, kv_cache=kv)).logits  # [B, V]
+        b = logits.shape[0]
+        rows = self._scratch.ramp(b)
+        toks, probs = [], []
+        for j in range(batch.gamma):
+            pos = batch.first_position + j  # [B] position the draft token will take
+            if sampling.all_greedy:
+                t = logits.argmax(-1)
+            else:
+                p = probs_from_logits(logits.unsqueeze(1), sampling).squeeze(1)  # [B, V]
+                t = sample_from(p, sampling.seeds, pos, LANE_DRAFT)
+                probs.append(p)
+            toks.append(t)
+            if j + 1 < batch.gamma:
+                step = DecoderInputs(
+                    tokens=t,
+                    positions=batch.step_positions[j],
+                    slot_mapping=batch.step_slots[j],
+                    gather_slots=batch.gather_slots,
+                    q_index=rows.unsqueeze(1),
+                    q_pos=batch.step_positions[j].unsqueeze(1),
+                    out_index=rows,
+                    logit_index=rows,
+                    kv_cache=kv,
+                )
+                logits = self.decoder(step).logits
+        return DraftOutput(
+            tokens=torch.stack(toks, dim=1),  # [B, γ]
+            probs=torch.stack(probs, dim=1) if probs else None,  # greedy: q one-hot, left implicit
+        )
+
+
+@register_proposer("draft_model")
+class DraftModelProposer(Proposer):
+    """Host half: the draft's batch processor and KV bookkeeping."""
+
+    def __init__(self, config: DraftModelConfig, deps: ProposerDeps) -> None:
+        self.config = config
+        self.pipeline = registered_pipeline_model(
+            config.path, deps.runtime, cache_name="draft", extra_tokens=config.num_speculative_tokens + 1
+        )
+        vocab = self.pipeline.config.vocab_size
+        target_vocab_size = deps.target.config.vocab_size
+        target_tokenizer = deps.target.path / "tokenizer.json" if deps.target.path else None
+        if vocab != target_vocab_size:
+            raise ValueError(
+                f"draft {config.path!r} has vocab_size {vocab}, the target has {target_vocab_size}: "
+                "a draft model must share the target's vocabulary"
+            )
+        if target_tokenizer is not None:
+            _check_same_tokenizer(Path(config.path), target_tokenizer)
+        self.drafter = DraftModelDrafter(self.pipeline)
+
+    @property
+    def cache_name(self) -> str:
+        return self.pipeline.cache_name
+
+    def reserve(self, ctx: TextContext, gamma: int) -> None:
+        # Catch up on every unseen token, then gamma - 1 draft tokens.
+        self.pipeline.reserve(ctx, len(ctx.tokens) + max(gamma - 1, 0))
+
+    def prepare(self, batch: list[TextContext], gamma: int, num_draft: list[int]) -> DraftModelBatch:
+        proc = self.pipeline.processor
+        packed = proc.prepare_initial_token_inputs([batch], return_n_logits=1)
+        cache = self.pipeline.caches[0]
+        bs = cache.block_size
+        lens = torch.tensor([len(c.tokens) for c in batch], dtype=torch.long)  # [B] = first draft position
+        steps = max(gamma - 1, 0)
+        b = len(batch)
+        tbl_rows = [c.kv[self.cache_name].blocks for c in batch]
+        max_blocks = max(len(r) for r in tbl_rows)
+        tbl = torch.zeros(b, max_blocks, dtype=torch.long)
+        for i, r in enumerate(tbl_rows):
+            tbl[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        pos = lens.unsqueeze(0) + torch.arange(steps).unsqueeze(1)  # [γ-1, B]
+        ar = torch.arange(b)
+        slots = tbl[ar.unsqueeze(0), pos // bs] * bs + pos % bs  # [γ-1, B]
+        s = int(lens.max()) + steps
+        p = torch.arange(s)
+        gather = tbl[:, (p // bs).clamp(max=max_blocks - 1)] * bs + p % bs  # [B, S]
+        for c in batch:
+            c.kv[self.cache_name].num_tokens += steps
+        return DraftModelBatch(
+            gamma=gamma,
+            num_draft=torch.tensor(num_draft, dtype=torch.long),
+            first_position=lens,
+            catch_up=packed.inputs,
+            step_positions=pos,
+            step_slots=slots,
+            gather_slots=gather,
+        )
+
+    def commit(self, ctx: TextContext, num_committed: int) -> None:
+        # Keep the fed draft tokens that were accepted (they equal committed tokens);
+        # the last committed token is fed next step.
+        self.pipeline.truncate(ctx, min(ctx.processed(self.cache_name), num_committed - 1))
+
+    def free(self, ctx: TextContext) -> None:
+        self.pipeline.free(ctx)
+
+
+def _check_same_tokenizer(draft_dir: Path, target_tok: Path) -> None:
+    draft_tok = draft_dir / "tokenizer.json"
+    if not (draft_tok.is_file() and target_tok.is_file()):
+        return
+    import json
+
+    dv = json.loads(draft_tok.read_text()).get("model", {}).get("vocab")
+    tv = json.loads(target_tok.read_text()).get("model", {}).get("vocab")
+    if dv != tv:
+        raise ValueError(f"draft tokenizer {draft_tok} differs from the target's {target_tok}")
