@@ -28,6 +28,7 @@ class SpecCounts:
     bonus: int = 0
     reached: list[int] = field(default_factory=list)  # [γ] draft position i was verified
     accepted_at: list[int] = field(default_factory=list)  # [γ] and accepted there
+    accepted_hist: list[int] = field(default_factory=list)  # [k] steps that accepted exactly k
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         """One verification step: ``num_draft`` proposed, ``num_accepted`` kept."""
@@ -44,6 +45,9 @@ class SpecCounts:
             self.reached[i] += 1
         for i in range(num_accepted):
             self.accepted_at[i] += 1
+        if len(self.accepted_hist) <= num_accepted:
+            self.accepted_hist += [0] * (num_accepted + 1 - len(self.accepted_hist))
+        self.accepted_hist[num_accepted] += 1
 
     def merge(self, other: SpecCounts) -> None:
         self.steps += other.steps
@@ -53,6 +57,8 @@ class SpecCounts:
         n = max(len(self.reached), len(other.reached))
         self.reached = [a + b for a, b in zip(_pad(self.reached, n), _pad(other.reached, n))]
         self.accepted_at = [a + b for a, b in zip(_pad(self.accepted_at, n), _pad(other.accepted_at, n))]
+        m = max(len(self.accepted_hist), len(other.accepted_hist))
+        self.accepted_hist = [a + b for a, b in zip(_pad(self.accepted_hist, m), _pad(other.accepted_hist, m))]
 
     @property
     def tau(self) -> float:
