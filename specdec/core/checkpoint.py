@@ -190,7 +190,10 @@ def load_decoder(
     archs = hf.get("architectures") or []
     if not archs:
         raise CheckpointError(f"{path / 'config.json'} names no 'architectures'")
-    module_cls = lookup(archs[0], role)
+    try:
+        module_cls = lookup(archs[0], role)
+    except KeyError as e:  # unknown architecture: name the file and the registered ones
+        raise CheckpointError(f"{path / 'config.json'}: {e.args[0]}") from None
     config_cls = getattr(module_cls, "config_cls", None)
     if config_cls is None:
         raise CheckpointError(f"{module_cls.__name__} declares no config_cls")

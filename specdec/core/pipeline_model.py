@@ -146,6 +146,8 @@ def registered_pipeline_model(
     module_cls = type(module)
     if runtime.data_parallel_degree > 1 and not getattr(module_cls, "supports_data_parallel", False):
         raise ValueError(f"{module_cls.__name__} does not support data parallelism")
+    if hasattr(module, "prepare_for_inference"):
+        module.prepare_for_inference()
     if hasattr(module, "ensure_rope"):
         module.ensure_rope(runtime.max_seq_len + extra_tokens + 1, runtime.device)
     modules = [module] + [copy.deepcopy(module) for _ in range(runtime.data_parallel_degree - 1)]

@@ -100,6 +100,10 @@ class DecoderModule(nn.Module):
             module.lm_head.weight = module.model.embed_tokens.weight  # type: ignore[union-attr]
         return module.eval()
 
+    def prepare_for_inference(self) -> nn.Module:
+        """Inference-only rewrites after loading (fusing projections …); default none."""
+        return self
+
     @classmethod
     def state_store(
         cls, config: Any, *, max_batch_size: int, devices: Sequence[torch.device]

@@ -31,10 +31,28 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        if x.dtype == torch.float32:  # one fused op; same arithmetic as below
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return self.weight * h.to(x.dtype)
+
+
+def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenates ``linears``' weights (and biases) into one tensor and makes
+    each parameter a view of it: one matmul instead of several, no extra copy."""
+    w = torch.cat([m.weight.detach() for m in linears])
+    b = None
+    if linears[0].bias is not None:
+        b = torch.cat([m.bias.detach() for m in linears])
+    start = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight.data = w[start : start + n]
+        if b is not None:
+            m.bias.data = b[start : start + n]
+        start += n
+    return w, b
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -116,17 +134,26 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.qkv_weight: torch.Tensor | None = None  # set by fuse(): [q; k; v] rows
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        self.qkv_weight, self.qkv_bias = _fuse([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
-        t = x.shape[0]  # x [T, d]; cos/sin [T, 1, D]
-        q = self.q_proj(x).view(t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(t, self.n_kv, self.head_dim)
+        h, kv, hd = self.n_heads, self.n_kv, self.head_dim  # x [T, d]; cos/sin [T, 1, D]
+        if self.qkv_weight is not None:
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (H + 2 Hkv) D]
+        else:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        qk = qkv[:, : (h + kv) * hd].unflatten(-1, (h + kv, hd))  # [T, H + Hkv, D]
+        v = qkv[:, (h + kv) * hd :].unflatten(-1, (kv, hd))  # [T, Hkv, D]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        return self.o_proj(attend(self.layer, q, k, v))
+            q, k = qk.split([h, kv], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        qk = qk * cos + rotate_half(qk) * sin  # rope on q and k at once
+        q, k = qk.split([h, kv], dim=1)
+        return F.linear(attend(self.layer, q, k, v), self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -136,9 +163,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
+        self.gate_up_weight: torch.Tensor | None = None  # set by fuse(): [gate; up] rows
+        self.gate_up_bias: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        self.gate_up_weight, self.gate_up_bias = _fuse([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return F.linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -209,11 +245,22 @@ class LlamaDecoder(DecoderModule):
         assert inputs.kv_cache is not None, "DecoderInputs.kv_cache is required"
         x = self.model.embed_tokens(inputs.tokens)  # [T, d]
         # Positions grow one step at a time; the table is sized up front by
-        # ``ensure_rope`` so no host sync is needed here.
-        cos, sin = self._rope(inputs.positions, self._rope_len - 1)
+        # ``ensure_rope`` so no host sync is needed here. A module that never
+        # had ``ensure_rope`` (``load_decoder``, ``build_module``) builds the
+        # table on its first call, with one host sync.
+        max_pos = self._rope_len - 1 if self._rope_len else int(inputs.positions.max())
+        cos, sin = self._rope(inputs.positions, max_pos)
         attend = PagedAttend(inputs, inputs.kv_cache, self.config.sliding_window)
         h = self._layers(x, cos, sin, attend)[inputs.logit_index]  # [N, d]
         return DecoderOutputs(logits=self.lm_head(h), hidden_states=h)
+
+    def prepare_for_inference(self) -> LlamaDecoder:
+        """Fuses q/k/v and gate/up projections (views: no extra memory). Call
+        after loading, not before training: the fused tensors are not trained."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
 
     def ensure_rope(self, max_positions: int, device: torch.device | str = "cpu") -> None:
         """Builds the rope tables for positions ``< max_positions`` (call once)."""

@@ -149,8 +149,11 @@ class SpecDecodePipelineModel:
         built = target.build_module(
             BuildContext(config=target.config, state_dict=target.module.state_dict()), type(target.config)
         )
+        if hasattr(built, "prepare_for_inference"):
+            built.prepare_for_inference()
         if hasattr(built, "ensure_rope"):
             built.ensure_rope(target.processor.runtime.max_seq_len + 1)
+        target.modules[0] = built  # one set of weights serves both paths
         self.module = DraftAndVerify(built, proposer.drafter)
         self.counts: dict[str, SpecCounts] = {}
         self.num_target_forwards = 0
