@@ -1,0 +1,43 @@
+"""Bare forward times of a decoder, for the analytic speedup limit.
+
+``forward_time(pm, n, ctx_len)`` times one module call that feeds ``n`` new
+tokens to a single request whose cache already holds ``ctx_len - n`` tokens:
+``T(1)`` is a decode step, ``T(γ+1)`` a verification step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from specdec.core.context import SamplingParams, TextContext
+from specdec.core.kv_cache import BlockTable
+from specdec.core.pipeline_model import DecoderPipelineModel
+
+
+@torch.inference_mode()
+def forward_time(pm: DecoderPipelineModel, n: int, ctx_len: int, *, repeats: int = 30) -> float:
+    """Median seconds of one bare forward of ``n`` tokens at context ``ctx_len``."""
+    ctx_len = max(ctx_len, n)
+    ctx = TextContext(request_id="__timing__", tokens=[1] * ctx_len, prompt_len=ctx_len, sampling=SamplingParams())
+    table = ctx.kv.setdefault(pm.cache_name, BlockTable())
+    cache = pm.caches[0]
+    try:
+        cache.reserve(table, ctx_len)
+        table.num_tokens = ctx_len - n
+        packed = pm.processor.prepare_initial_token_inputs([[ctx]], return_n_logits=n)
+        inputs = packed.inputs
+        inputs.kv_cache = cache.tensors
+        module = pm.module
+        for _ in range(3):
+            module(inputs)
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            module(inputs)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+    finally:
+        cache.free(table)
