@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from specdec.core.context import TextContext
@@ -188,8 +189,7 @@ class DecoderBatchProcessor:
         for c, s, ln, r in zip(ctxs, starts, lens, replica_of):
             rt.kv_caches[r].reserve(c.kv[name], s + ln)  # no-op when the scheduler reserved
         inputs, draft_index = _pack(
-            tokens_list, starts, lens, [c.kv[name].blocks for c in ctxs], bs,
-            return_n_logits, lookahead, self._ramp,
+            tokens_list, starts, lens, [c.kv[name].blocks for c in ctxs], bs, return_n_logits, lookahead
         )
         for c, ln in zip(ctxs, lens):
             c.kv[name].num_tokens += ln
@@ -201,11 +201,6 @@ class DecoderBatchProcessor:
         return self.prepare_initial_token_inputs(
             replica_batches, num_tokens=[1] * sum(len(rb) for rb in replica_batches)
         )
-
-    def _ramp(self, n: int) -> torch.Tensor:
-        if self.scratch is None:
-            self.scratch = DecoderScratch.allocate(max(n, 1024))
-        return self.scratch.ramp(n)
 
     def process_outputs(self, outputs: Sequence[DecoderOutputs | object], batch: PackedBatch | None = None) -> ModelOutputs:
         """Maps the replicas' raw outputs to one :class:`ModelOutputs`."""
@@ -227,49 +222,50 @@ def _pack(
     block_size: int,
     return_n_logits: int,
     lookahead: int,
-    ramp: Any,
 ) -> tuple[DecoderInputs, torch.Tensor | None]:
-    """Builds the index tensors of :class:`DecoderInputs` (see its worked example)."""
+    """Builds the index tensors of :class:`DecoderInputs` (see its worked example).
+
+    Host-side arithmetic on tiny arrays: numpy, then zero-copy ``from_numpy``.
+    """
+    bs = block_size
     b = len(lens)
-    t = len(tokens_list)
-    start = torch.tensor(starts, dtype=torch.long)  # [B]
-    ln = torch.tensor(lens, dtype=torch.long)  # [B]
-    offset = torch.cumsum(ln, 0) - ln  # [B] first packed row of each request
-    req = torch.repeat_interleave(ramp(b), ln)  # [T] request of each row
-    local = ramp(t) - offset[req]  # [T] index within the request's new tokens
+    start = np.asarray(starts, dtype=np.int64)  # [B]
+    ln = np.asarray(lens, dtype=np.int64)  # [B]
+    t = int(ln.sum())
+    offset = np.cumsum(ln) - ln  # [B] first packed row of each request
+    req = np.repeat(np.arange(b), ln)  # [T] request of each row
+    local = np.arange(t) - offset[req]  # [T] index within the request's new tokens
     positions = start[req] + local  # [T]
-    max_blocks = max(len(x) for x in tables)
-    tbl = torch.zeros(b, max_blocks, dtype=torch.long)
-    for i, blocks in enumerate(tables):
-        tbl[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-    slot_mapping = tbl[req, positions // block_size] * block_size + positions % block_size
+    if b == 1:
+        tbl = np.asarray(tables, dtype=np.int64)  # [1, blocks]
+    else:
+        tbl = np.zeros((b, max(len(x) for x in tables)), dtype=np.int64)
+        for i, blocks in enumerate(tables):
+            tbl[i, : len(blocks)] = blocks
+    slot_mapping = tbl[req, positions // bs] * bs + positions % bs  # [T]
     ctx_len = start + ln  # [B]
-    s = int(ctx_len.max())
-    p = ramp(s)
-    gather_slots = tbl[:, p // block_size] * block_size + p % block_size  # [B, S]
-    q = int(ln.max())
-    qi = ramp(q).unsqueeze(0)  # [1, Q]
-    valid = qi < ln.unsqueeze(1)  # [B, Q]
-    q_index = offset.unsqueeze(1) + torch.minimum(qi, ln.unsqueeze(1) - 1)  # [B, Q]
-    q_pos = torch.where(valid, start.unsqueeze(1) + qi, torch.zeros_like(qi))  # [B, Q]
-    out_index = req * q + local  # [T]
+    p = np.arange(int(ctx_len.max()))
+    gather_slots = tbl[:, p // bs] * bs + p % bs  # [B, S]
+    qi = np.arange(int(ln.max()))[None, :]  # [1, Q]
+    q_index = offset[:, None] + np.minimum(qi, ln[:, None] - 1)  # [B, Q]
+    q_pos = np.where(qi < ln[:, None], start[:, None] + qi, 0)  # [B, Q]
+    out_index = req * qi.shape[1] + local  # [T]
+    last = (offset + ln)[:, None]  # [B, 1] one past each request's last row
     n = return_n_logits
-    k = ramp(n).unsqueeze(0)  # [1, n]
-    last = (offset + ln).unsqueeze(1)  # [B, 1] one past each request's last row
-    logit_index = torch.maximum(last - n + k, offset.unsqueeze(1)).reshape(-1)  # [B * n]
+    logit_index = np.maximum(last - n + np.arange(n)[None, :], offset[:, None]).reshape(-1)  # [B * n]
     draft_index = None
     if lookahead:
-        draft_index = last - lookahead + ramp(lookahead).unsqueeze(0)  # [B, lookahead]
+        draft_index = torch.from_numpy(last - lookahead + np.arange(lookahead)[None, :])  # [B, lookahead]
     inputs = DecoderInputs(
         tokens=torch.tensor(tokens_list, dtype=torch.long),
-        positions=positions,
-        slot_mapping=slot_mapping,
-        gather_slots=gather_slots,
-        q_index=q_index,
-        q_pos=q_pos,
-        out_index=out_index,
-        logit_index=logit_index,
-        context_lengths=ctx_len,
+        positions=torch.from_numpy(positions),
+        slot_mapping=torch.from_numpy(slot_mapping),
+        gather_slots=torch.from_numpy(gather_slots),
+        q_index=torch.from_numpy(q_index),
+        q_pos=torch.from_numpy(q_pos),
+        out_index=torch.from_numpy(out_index),
+        logit_index=torch.from_numpy(logit_index),
+        context_lengths=torch.from_numpy(ctx_len),
     )
     return inputs, draft_index
 
@@ -289,6 +285,9 @@ def split_replicas(inputs: DecoderInputs, n_logits: int) -> list[DecoderInputs]:
     for r in range(len(splits) - 1):
         a, b = splits[r], splits[r + 1]
         ta, tb = int(tok_off[a]), int(tok_off[b])
+        if a == b:  # a replica with no requests this step: nothing to run
+            out.append(replace(inputs, tokens=inputs.tokens[:0], data_parallel_splits=[0, 0]))
+            continue
         s = int(ctx_len[a:b].max())
         out.append(
             replace(

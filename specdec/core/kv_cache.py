@@ -112,7 +112,7 @@ class PagedKVCache:
 
     def truncate(self, table: BlockTable, num_tokens: int) -> None:
         """Keeps the first ``num_tokens`` tokens; frees blocks left empty."""
-        if num_tokens > table.num_tokens:
+        if not 0 <= num_tokens <= table.num_tokens:
             raise ValueError(f"cannot truncate {table.num_tokens} tokens to {num_tokens}")
         table.num_tokens = num_tokens
         keep = -(-num_tokens // self.block_size)

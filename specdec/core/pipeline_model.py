@@ -25,6 +25,7 @@ from torch import nn
 from specdec.core.batch_processor import (
     BatchProcessorRuntime,
     DecoderBatchProcessor,
+    DecoderScratch,
     PackedBatch,
     split_replicas,
 )
@@ -173,6 +174,7 @@ def registered_pipeline_model(
     if specs:
         store = RequestStateStore(specs, max_batch_size=runtime.max_batch_size, device=runtime.device)
     processor = DecoderBatchProcessor(config, rt)
+    processor.scratch = DecoderScratch.allocate(runtime.max_batch_size * (runtime.max_seq_len + extra_tokens), runtime.device)
     if store is not None and not isinstance(processor, DecoderBatchProcessor):
         raise TypeError(f"{module_cls.__name__} declares a state store; it must be served by a DecoderBatchProcessor")
     return DecoderPipelineModel(modules, config, processor, store, path=loaded.path)

@@ -139,9 +139,8 @@ def register(role: Role, *architectures: str) -> Callable[[M], M]:
                 )
             _REGISTRY[key] = cls
         cls.role = role  # type: ignore[attr-defined]
-        cls.architectures = tuple(getattr(cls, "architectures", ())) + tuple(
-            a for a in architectures if a not in getattr(cls, "architectures", ())
-        )  # type: ignore[attr-defined]
+        own = tuple(cls.__dict__.get("architectures", ()))  # not a parent's names
+        cls.architectures = own + tuple(a for a in architectures if a not in own)  # type: ignore[attr-defined]
         return cls
 
     return deco

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from specdec.core.batch_processor import DecoderScratch
 from specdec.core.context import TextContext
 from specdec.core.inputs import DecoderInputs
 from specdec.core.pipeline_model import DecoderPipelineModel, registered_pipeline_model
@@ -56,14 +56,14 @@ class DraftModelDrafter(Drafter):
         super().__init__()
         self.decoder = pipeline.module
         self._pipeline = pipeline  # the KV storage lives with the pipeline model
-        self._scratch = DecoderScratch.allocate(1024)
 
     def forward(self, batch: DraftModelBatch, sampling: SamplingTensors) -> DraftOutput:  # type: ignore[override]
         assert batch.catch_up is not None
         kv = self._pipeline.caches[0].tensors
         logits = self.decoder(replace(batch.catch_up, kv_cache=kv)).logits  # [B, V]
         b = logits.shape[0]
-        rows = self._scratch.ramp(b)
+        scratch = self._pipeline.processor.scratch
+        rows = scratch.ramp(b) if scratch is not None else torch.arange(b)
         toks, probs = [], []
         for j in range(batch.gamma):
             pos = batch.first_position + j  # [B] position the draft token will take
@@ -125,32 +125,28 @@ class DraftModelProposer(Proposer):
     def prepare(self, batch: list[TextContext], gamma: int, num_draft: list[int]) -> DraftModelBatch:
         proc = self.pipeline.processor
         packed = proc.prepare_initial_token_inputs([batch], return_n_logits=1)
-        cache = self.pipeline.caches[0]
-        bs = cache.block_size
-        lens = torch.tensor([len(c.tokens) for c in batch], dtype=torch.long)  # [B] = first draft position
+        bs = self.pipeline.caches[0].block_size
         steps = max(gamma - 1, 0)
-        b = len(batch)
-        tbl_rows = [c.kv[self.cache_name].blocks for c in batch]
-        max_blocks = max(len(r) for r in tbl_rows)
-        tbl = torch.zeros(b, max_blocks, dtype=torch.long)
-        for i, r in enumerate(tbl_rows):
-            tbl[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        pos = lens.unsqueeze(0) + torch.arange(steps).unsqueeze(1)  # [γ-1, B]
-        ar = torch.arange(b)
-        slots = tbl[ar.unsqueeze(0), pos // bs] * bs + pos % bs  # [γ-1, B]
-        s = int(lens.max()) + steps
-        p = torch.arange(s)
-        gather = tbl[:, (p // bs).clamp(max=max_blocks - 1)] * bs + p % bs  # [B, S]
+        # Positions and KV slots of the γ-1 one-token steps, on the host (numpy).
+        lens = np.asarray([len(c.tokens) for c in batch], dtype=np.int64)  # [B] first draft position
+        tables = [c.kv[self.cache_name].blocks for c in batch]
+        tbl = np.zeros((len(batch), max(len(t) for t in tables)), dtype=np.int64)
+        for i, t in enumerate(tables):
+            tbl[i, : len(t)] = t
+        pos = lens[None, :] + np.arange(steps)[:, None]  # [γ-1, B]
+        slots = np.take_along_axis(tbl, (pos // bs).T, axis=1).T * bs + pos % bs  # [γ-1, B]
+        p = np.arange(int(lens.max()) + steps)
+        gather = tbl[:, np.minimum(p // bs, tbl.shape[1] - 1)] * bs + p % bs  # [B, S]
         for c in batch:
             c.kv[self.cache_name].num_tokens += steps
         return DraftModelBatch(
             gamma=gamma,
             num_draft=torch.tensor(num_draft, dtype=torch.long),
-            first_position=lens,
+            first_position=torch.from_numpy(lens),
             catch_up=packed.inputs,
-            step_positions=pos,
-            step_slots=slots,
-            gather_slots=gather,
+            step_positions=torch.from_numpy(pos),
+            step_slots=torch.from_numpy(slots),
+            gather_slots=torch.from_numpy(gather),
         )
 
     def commit(self, ctx: TextContext, num_committed: int) -> None:
