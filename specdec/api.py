@@ -26,22 +26,25 @@ from specdec.engine import Engine, EngineConfig, GenerationOutput
 
 
 def build_pipeline(target: str | Path, method: Any | None, runtime: RuntimeConfig) -> GenerationPipeline:
-    """Plain decoding (``method`` None or γ = 0 … still speculative when given) or speculation.
+    """The engine's pipeline: plain decoding when ``method`` is None, else speculation.
 
-    ``method`` is a proposer config (e.g. ``NgramConfig``, ``DraftModelConfig``):
+    ``method`` is a proposer config (``NgramConfig``, ``DraftModelConfig`` …):
     its ``name`` finds the proposer class in the registry.
     """
     if method is None:
         return PlainGeneration(registered_pipeline_model(target, runtime), runtime.max_seq_len)
+    from specdec.spec.gamma import GammaPolicyConfig
     from specdec.spec.pipeline import SpecConfig, SpecDecodePipelineModel
     from specdec.spec.proposers import ProposerDeps, proposer_class
 
     gamma = int(method.num_speculative_tokens)
     target_pm = registered_pipeline_model(target, runtime, extra_tokens=gamma + 1)
     proposer = proposer_class(method.name)(method, ProposerDeps(runtime=runtime, target=target_pm))
-    return SpecDecodePipelineModel(
-        target_pm, proposer, SpecConfig(num_speculative_tokens=gamma), max_seq_len=runtime.max_seq_len
+    spec = SpecConfig(
+        num_speculative_tokens=gamma,
+        gamma_policy=GammaPolicyConfig(adaptive=bool(getattr(method, "adaptive_gamma", False))),
     )
+    return SpecDecodePipelineModel(target_pm, proposer, spec, max_seq_len=runtime.max_seq_len)
 
 
 @dataclass

@@ -31,6 +31,8 @@ from specdec.core.pipeline_model import DecoderPipelineModel
 from specdec.core.registry import BuildContext
 from specdec.core.state_store import RequestStateStore, StateSpec
 from specdec.sampling import SamplingTensors, probs_from_logits
+from specdec.spec.forward_time import forward_time
+from specdec.spec.gamma import CostCurve, GammaPolicyConfig, choose_gamma
 from specdec.spec.metrics import SpecCounts
 from specdec.spec.proposers.base import DraftBatch, Proposer
 from specdec.spec.verify import verify_greedy, verify_sampled
@@ -97,7 +99,8 @@ class DraftAndVerify(nn.Module):
 class SpecConfig:
     """Speculation settings shared by every proposer."""
 
-    num_speculative_tokens: int = 4  # γ; 0 is plain decoding
+    num_speculative_tokens: int = 4  # γ (the most per step); 0 is plain decoding
+    gamma_policy: GammaPolicyConfig = GammaPolicyConfig()  # adaptive: pick γ per step
 
     def __post_init__(self) -> None:
         if not (0 <= self.num_speculative_tokens <= 64):
@@ -157,6 +160,10 @@ class SpecDecodePipelineModel:
         self.module = DraftAndVerify(built, proposer.drafter)
         self.counts: dict[str, SpecCounts] = {}
         self.num_target_forwards = 0
+        self._offered: dict[str, int] = {}  # request -> Σ step γ (for adaptive γ)
+        self._curves: tuple[CostCurve, CostCurve] | None = None
+        if config.gamma_policy.adaptive:  # calibrate now, while the KV cache is empty
+            self._cost_curves()
 
     # -- engine protocol -------------------------------------------------------------
     def unprocessed(self, ctx: TextContext) -> int:
@@ -189,6 +196,8 @@ class SpecDecodePipelineModel:
     def free(self, ctx: TextContext) -> None:
         self.target.free(ctx)
         self.proposer.free(ctx)
+        if ctx.done:
+            self._offered.pop(ctx.request_id, None)
         if ctx.slot is not None:
             self.state.release(ctx.slot)
             ctx.slot = None
@@ -226,8 +235,35 @@ class SpecDecodePipelineModel:
                 result[id(c)] = toks
         return [result[id(c)] for c in batch]
 
+    def _cost_curves(self) -> tuple[CostCurve, CostCurve]:
+        """T_target(n tokens) and T_draft(batch) from a short calibration (first use)."""
+        if self._curves is None:
+            rt = self.target.processor.runtime
+            cap = min(rt.max_seq_len - 1, rt.max_batch_size * (self.config.num_speculative_tokens + 1))
+            pts = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= max(cap, 1)]
+            ctx = min(128, rt.max_seq_len - 1)
+            tt = CostCurve(lambda n: forward_time(self.target, n, max(ctx, n), repeats=7, stat="min"), pts)
+            bpts = [b for b in pts if b <= rt.max_batch_size]
+            td = CostCurve(lambda b: self.proposer.draft_cost(b, ctx), bpts)
+            self._curves = (tt, td)
+        return self._curves
+
+    def _policy_gamma(self, batch: list[TextContext], gammas: list[int]) -> int:
+        pol = self.config.gamma_policy
+        w, prior = pol.prior_weight, pol.prior_accept
+        accept = []
+        for c in batch:
+            counts = self.counts.get(c.request_id)
+            acc = counts.accepted if counts is not None else 0
+            accept.append((acc + prior * w) / (self._offered.get(c.request_id, 0) + w))
+        tt, td = self._cost_curves()
+        return choose_gamma(accept, max(gammas), tt, td)
+
     def _spec_step(self, batch: list[TextContext]) -> list[list[int]]:
         gammas = [self.gamma_for(c) for c in batch]
+        if self.config.gamma_policy.adaptive and max(gammas) > 0:
+            g = self._policy_gamma(batch, gammas)
+            gammas = [min(x, g) for x in gammas]
         gamma = max(gammas)
         lens = [len(c.tokens) for c in batch]
         draft = self.proposer.prepare(batch, gamma, gammas) if gamma else None
@@ -256,6 +292,7 @@ class SpecDecodePipelineModel:
         new: list[list[int]] = []
         for c, toks, k, n, ln in zip(batch, tokens, accepted, nd, lens):
             self.counts.setdefault(c.request_id, SpecCounts()).record(n, k)
+            self._offered[c.request_id] = self._offered.get(c.request_id, 0) + gamma
             # Target keeps the committed tokens but the last (it is fed next step).
             self.target.truncate(c, ln + k)
             self.proposer.commit(c, ln + k + 1)

@@ -77,14 +77,9 @@ class Proposer(ABC):
     def free(self, ctx: TextContext) -> None:
         """Releases everything held for the request."""
 
-    @property
-    def forward_time(self) -> float:
-        """Seconds the drafter's model forwards took so far (0 for model-free drafters)."""
+    def draft_cost(self, batch_size: int, context_len: int) -> float:
+        """Seconds one drafting forward takes for ``batch_size`` requests (0: model-free)."""
         return 0.0
-
-    @property
-    def num_forwards(self) -> int:
-        return 0
 
 
 P = TypeVar("P", bound=type[Proposer])

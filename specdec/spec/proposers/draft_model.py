@@ -20,6 +20,7 @@ from specdec.core.context import TextContext
 from specdec.core.inputs import DecoderInputs
 from specdec.core.pipeline_model import DecoderPipelineModel, registered_pipeline_model
 from specdec.sampling import LANE_DRAFT, SamplingTensors, probs_from_logits, sample_from
+from specdec.spec.forward_time import forward_time
 from specdec.spec.proposers.base import (
     DraftBatch,
     Drafter,
@@ -35,6 +36,7 @@ class DraftModelConfig:
     name: str = "draft_model"
     path: str = ""
     num_speculative_tokens: int = 4
+    adaptive_gamma: bool = False  # pick γ <= num_speculative_tokens per step (spec/gamma.py)
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -148,6 +150,9 @@ class DraftModelProposer(Proposer):
             step_slots=torch.from_numpy(slots),
             gather_slots=torch.from_numpy(gather),
         )
+
+    def draft_cost(self, batch_size: int, context_len: int) -> float:
+        return forward_time(self.pipeline, batch_size, max(context_len, batch_size), repeats=7, stat="min")
 
     def commit(self, ctx: TextContext, num_committed: int) -> None:
         # Keep the fed draft tokens that were accepted (they equal committed tokens);

@@ -29,6 +29,7 @@ from specdec.spec.proposers.base import (
 class NgramConfig:
     name: str = "ngram"
     num_speculative_tokens: int = 4
+    adaptive_gamma: bool = False  # pick γ <= num_speculative_tokens per step (spec/gamma.py)
     max_n: int = 3
     min_n: int = 1
 

@@ -1,0 +1,254 @@
+"""Us against Hugging Face transformers on the same checkpoints, greedy.
+
+    python experiments/bench/compare_hf.py quick=true
+    python experiments/bench/compare_hf.py pairs=[builtin,random] batch_sizes=[1,4,16,64]
+
+Batch 1, side by side in one run (interleaved repeats, medians): transformers
+``generate`` plain, assisted generation (``assistant_model``; its default
+schedule and a fixed γ), prompt lookup (``prompt_lookup_num_tokens``), and
+ours (plain, draft model, n-gram). Every output is checked equal to plain
+greedy decoding. Then a batch sweep: our speculation against our plain
+decoding (transformers' assisted generation runs at batch 1 only, so its
+plain batched ``generate`` is the reference there).
+
+Writes a table, ``compare_hf.json`` and ``compare_hf.png`` (into ``out=``,
+default ``outputs/bench``), and ends with one JSON line: ``draft_vs_hf_assisted``,
+``ngram_vs_hf_prompt_lookup``, ``efficiency_batch1``, ``min_spec_vs_plain``,
+``outputs_equal``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    ROOT,
+    builtin_pair,
+    builtin_prompts,
+    emit_json,
+    median,
+    parse_overrides,
+    print_table,
+    random_checkpoint,
+    timed,
+)
+
+from specdec.api import LLM  # noqa: E402
+from specdec.core.context import SamplingParams  # noqa: E402
+from specdec.core.pipeline_model import RuntimeConfig  # noqa: E402
+from specdec.engine import EngineConfig  # noqa: E402
+from specdec.spec.forward_time import forward_time  # noqa: E402
+from specdec.spec.metrics import analytic_limit  # noqa: E402
+from specdec.spec.proposers.draft_model import DraftModelConfig  # noqa: E402
+from specdec.spec.proposers.ngram import NgramConfig  # noqa: E402
+
+
+@dataclass
+class CompareConfig:
+    quick: bool = False
+    pairs: list[str] = field(default_factory=lambda: ["builtin", "random"])
+    gamma: int = 4  # our γ and HF's fixed assisted γ / prompt-lookup tokens
+    ngram_gamma: int = 4
+    num_prompts: int = 8
+    new_tokens: int = 64
+    repeats: int = 3
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
+    sweep_new_tokens: int = 32
+    out: str = "outputs/bench"
+    threads: int = 2
+
+
+def load_pair(name: str) -> tuple[str, Path, Path, list[list[int]]]:
+    pair = builtin_pair()
+    if name == "builtin" and pair is not None:
+        t, d = pair
+        prompts = builtin_prompts(t, 64)
+        return "builtin", t, d, prompts
+    t = random_checkpoint(layers=6, seed=0)
+    d = random_checkpoint(layers=1, seed=1)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 4000, (24,), generator=g).tolist() * 3 for _ in range(64)]
+    return "random", t, d, prompts
+
+
+def hf_generate(model, prompt: list[int], new_tokens: int, **kw) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0, **kw)
+    return out[0, len(prompt):].tolist()
+
+
+def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: list[list[int]]) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    prompts = prompts[: cfg.num_prompts]
+    hf_t = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    hf_d = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+    hf_d_fixed = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+    hf_d_fixed.generation_config.num_assistant_tokens_schedule = "constant"
+    hf_d_fixed.generation_config.num_assistant_tokens = cfg.gamma
+    max_len = max(len(p) for p in prompts) + cfg.new_tokens + 16
+    rt = RuntimeConfig(max_batch_size=1, max_seq_len=max_len)
+    ec = EngineConfig(max_batch_size=1)
+    ours = {
+        "ours plain": LLM(target, runtime=rt, engine_config=ec),
+        "ours draft_model": LLM(target, method=DraftModelConfig(path=str(draft), num_speculative_tokens=cfg.gamma),
+                                runtime=rt, engine_config=ec),
+        "ours ngram": LLM(target, method=NgramConfig(num_speculative_tokens=cfg.ngram_gamma), runtime=rt,
+                          engine_config=ec),
+    }
+    n = cfg.new_tokens
+    sp = SamplingParams(max_new_tokens=n, ignore_eos=True)
+    runners = {
+        "hf plain": lambda: [hf_generate(hf_t, p, n) for p in prompts],
+        "hf assisted (default)": lambda: [hf_generate(hf_t, p, n, assistant_model=hf_d) for p in prompts],
+        f"hf assisted (γ={cfg.gamma})": lambda: [hf_generate(hf_t, p, n, assistant_model=hf_d_fixed) for p in prompts],
+        f"hf prompt lookup ({cfg.ngram_gamma})": lambda: [
+            hf_generate(hf_t, p, n, prompt_lookup_num_tokens=cfg.ngram_gamma) for p in prompts],
+        **{k: (lambda llm=llm: [o.token_ids for o in llm.generate(prompts, sp)]) for k, llm in ours.items()},
+    }
+    for llm in ours.values():  # warm-up
+        llm.generate(prompts[:1], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    hf_generate(hf_t, prompts[0], 4)
+    times: dict[str, list[float]] = {k: [] for k in runners}
+    outs: dict[str, list[list[int]]] = {}
+    for _ in range(cfg.repeats):
+        for k, fn in runners.items():
+            if k in ours and hasattr(ours[k].pipeline, "counts"):
+                ours[k].pipeline.counts.clear()
+            t, o = timed(fn)
+            times[k].append(t)
+            outs[k] = o
+    tokens = len(prompts) * n
+    tps = {k: tokens / median(v) for k, v in times.items()}
+    ref = outs["hf plain"]
+    equal = {k: o == ref for k, o in outs.items()}
+    # Efficiency of our draft-model run against its analytic limit.
+    dm = ours["ours draft_model"].pipeline
+    ctx_len = max(len(p) for p in prompts) + n // 2
+    t1 = forward_time(dm.target, 1, ctx_len)
+    tg = forward_time(dm.target, cfg.gamma + 1, ctx_len)
+    td = forward_time(dm.proposer.pipeline, 1, ctx_len)
+    tau = dm.run_counts().tau
+    limit = analytic_limit(tau=tau, gamma=cfg.gamma, t_target_1=t1, t_target_g1=tg, t_draft_1=td)
+    speedup = tps["ours draft_model"] / tps["ours plain"]
+    rows = [{"pair": name, "method": k, "tok_s": v, "vs_hf_plain": v / tps["hf plain"], "equal": equal[k]}
+            for k, v in tps.items()]
+    print_table(rows, f"batch 1, greedy, {len(prompts)} prompts x {n} tokens, medians of {cfg.repeats} ({name} pair)")
+    return {
+        "pair": name,
+        "tok_s": tps,
+        "equal": all(equal.values()),
+        "draft_vs_hf_assisted": tps["ours draft_model"] / max(tps["hf assisted (default)"], tps[f"hf assisted (γ={cfg.gamma})"]),
+        "ngram_vs_hf_prompt_lookup": tps["ours ngram"] / tps[f"hf prompt lookup ({cfg.ngram_gamma})"],
+        "efficiency_batch1": speedup / limit if limit else 0.0,
+        "tau_draft_model": tau,
+        "speedup_draft_model": speedup,
+        "speedup_ngram": tps["ours ngram"] / tps["ours plain"],
+    }
+
+
+def sweep(cfg: CompareConfig, target: Path, draft: Path, prompts: list[list[int]]) -> tuple[list[dict], bool]:
+    from transformers import AutoModelForCausalLM
+
+    hf_t = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    n = cfg.sweep_new_tokens
+    rows, equal = [], True
+    for b in cfg.batch_sizes:
+        ps = [prompts[i % len(prompts)] for i in range(b)]
+        max_len = max(len(p) for p in ps) + n + 16
+        rt = RuntimeConfig(max_batch_size=b, max_seq_len=max_len)
+        ec = EngineConfig(max_batch_size=b)
+        sp = SamplingParams(max_new_tokens=n, ignore_eos=True)
+        llms = {
+            "plain": LLM(target, runtime=rt, engine_config=ec),
+            "draft_model": LLM(target, method=DraftModelConfig(path=str(draft), num_speculative_tokens=cfg.gamma),
+                               runtime=rt, engine_config=ec),
+            "ngram": LLM(target, method=NgramConfig(num_speculative_tokens=cfg.ngram_gamma), runtime=rt, engine_config=ec),
+        }
+        for llm in llms.values():
+            llm.generate(ps[:1], SamplingParams(max_new_tokens=4, ignore_eos=True))
+        times: dict[str, list[float]] = {k: [] for k in [*llms, "hf plain"]}
+        outs = {}
+        same_len = len({len(p) for p in ps}) == 1
+        for _ in range(max(1, cfg.repeats - 1)):
+            for k, llm in llms.items():
+                t, o = timed(lambda llm=llm: llm.generate(ps, sp))
+                times[k].append(t)
+                outs[k] = [x.token_ids for x in o]
+            if same_len:
+                ids = torch.tensor(ps)
+                with torch.inference_mode():
+                    t, _ = timed(lambda: hf_t.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                                      min_new_tokens=n, do_sample=False, eos_token_id=None,
+                                                      pad_token_id=0))
+                times["hf plain"].append(t)
+        tps = {k: b * n / median(v) for k, v in times.items() if v}
+        eq = outs["draft_model"] == outs["plain"] and outs["ngram"] == outs["plain"]
+        equal &= eq
+        rows.append({"batch": b, "plain_tok_s": tps["plain"], "draft_tok_s": tps["draft_model"],
+                     "ngram_tok_s": tps["ngram"], "hf_plain_tok_s": tps.get("hf plain", float("nan")),
+                     "draft_vs_plain": tps["draft_model"] / tps["plain"],
+                     "ngram_vs_plain": tps["ngram"] / tps["plain"], "equal": eq})
+    print_table(rows, f"batch sweep, greedy, {n} new tokens, γ={cfg.gamma}")
+    return rows, equal
+
+
+def bar_chart(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, r in zip(axes[0], results):
+        names = list(r["tok_s"])
+        ax.barh(names, [r["tok_s"][k] for k in names], color=["#999" if k.startswith("hf") else "#2a7" for k in names])
+        ax.set_xlabel("tokens/s (batch 1, greedy)")
+        ax.set_title(f"{r['pair']} pair")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> None:
+    cfg = parse_overrides(CompareConfig, argv)
+    torch.set_num_threads(cfg.threads)
+    if cfg.quick:
+        cfg.pairs, cfg.repeats, cfg.num_prompts, cfg.new_tokens = ["builtin"], 1, 3, 48
+        cfg.batch_sizes, cfg.sweep_new_tokens = [1, 4, 16, 64], 16
+    results = []
+    pairs = {}
+    for name in cfg.pairs:
+        label, t, d, prompts = load_pair(name)
+        pairs[label] = (t, d, prompts)
+        results.append(batch1(cfg, label, t, d, prompts))
+    head = results[0]
+    t, d, prompts = next(iter(pairs.values()))
+    rows, sweep_equal = sweep(cfg, t, d, prompts)
+    min_ratio = min(min(r["draft_vs_plain"], r["ngram_vs_plain"]) for r in rows)
+    out = ROOT / cfg.out if not Path(cfg.out).is_absolute() else Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    figures = {
+        "draft_vs_hf_assisted": round(head["draft_vs_hf_assisted"], 3),
+        "ngram_vs_hf_prompt_lookup": round(head["ngram_vs_hf_prompt_lookup"], 3),
+        "efficiency_batch1": round(head["efficiency_batch1"], 3),
+        "min_spec_vs_plain": round(min_ratio, 3),
+        "outputs_equal": all(r["equal"] for r in results) and sweep_equal,
+        "pair": head["pair"],
+    }
+    (out / "compare_hf.json").write_text(json.dumps({"figures": figures, "batch1": results, "sweep": rows}, indent=2))
+    bar_chart(results, out / "compare_hf.png")
+    print(f"\nwrote {out / 'compare_hf.json'} and {out / 'compare_hf.png'}")
+    emit_json(figures)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
