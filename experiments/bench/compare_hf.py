@@ -167,11 +167,13 @@ def sweep(cfg: CompareConfig, target: Path, draft: Path, prompts: list[list[int]
         rt = RuntimeConfig(max_batch_size=b, max_seq_len=max_len)
         ec = EngineConfig(max_batch_size=b)
         sp = SamplingParams(max_new_tokens=n, ignore_eos=True)
+        # Adaptive γ: speculation turns itself down (to plain decoding) where it cannot pay.
         llms = {
             "plain": LLM(target, runtime=rt, engine_config=ec),
-            "draft_model": LLM(target, method=DraftModelConfig(path=str(draft), num_speculative_tokens=cfg.gamma),
-                               runtime=rt, engine_config=ec),
-            "ngram": LLM(target, method=NgramConfig(num_speculative_tokens=cfg.ngram_gamma), runtime=rt, engine_config=ec),
+            "draft_model": LLM(target, method=DraftModelConfig(path=str(draft), num_speculative_tokens=cfg.gamma,
+                                                               adaptive_gamma=True), runtime=rt, engine_config=ec),
+            "ngram": LLM(target, method=NgramConfig(num_speculative_tokens=cfg.ngram_gamma, adaptive_gamma=True),
+                         runtime=rt, engine_config=ec),
         }
         for llm in llms.values():
             llm.generate(ps[:1], SamplingParams(max_new_tokens=4, ignore_eos=True))
@@ -197,7 +199,7 @@ def sweep(cfg: CompareConfig, target: Path, draft: Path, prompts: list[list[int]
                      "ngram_tok_s": tps["ngram"], "hf_plain_tok_s": tps.get("hf plain", float("nan")),
                      "draft_vs_plain": tps["draft_model"] / tps["plain"],
                      "ngram_vs_plain": tps["ngram"] / tps["plain"], "equal": eq})
-    print_table(rows, f"batch sweep, greedy, {n} new tokens, γ={cfg.gamma}")
+    print_table(rows, f"batch sweep, greedy, {n} new tokens, adaptive γ <= {cfg.gamma}")
     return rows, equal
 
 

@@ -75,14 +75,22 @@ class PagedAttend:
     def __init__(self, inputs: DecoderInputs, cache: KVCacheTensors, window: int | None) -> None:
         self.inputs = inputs
         self.cache = cache
-        key_pos = torch.arange(inputs.gather_slots.shape[1], device=inputs.q_pos.device)
+        b, q = inputs.q_index.shape
+        s = inputs.gather_slots.shape[1]
+        self.single = b == 1 and q == inputs.tokens.shape[0]  # one request: no packing
+        self.causal = False
+        self.mask: torch.Tensor | None = None
+        if self.single and window is None and q in (1, s):
+            # One request reads exactly its context: a lone query sees every
+            # key, and a whole fresh sequence is plain causal. No mask needed.
+            self.causal = q == s and q > 1
+            return
+        key_pos = torch.arange(s, device=inputs.q_pos.device)
         q_pos = inputs.q_pos.unsqueeze(-1)  # [B, Q, 1]
         mask = key_pos <= q_pos  # [B, Q, S]
         if window is not None:
             mask &= key_pos > q_pos - window
         self.mask = mask.unsqueeze(1)  # [B, 1, Q, S]
-        b, q = inputs.q_index.shape
-        self.single = b == 1 and q == inputs.tokens.shape[0]  # one request: no packing
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         inp = self.inputs
@@ -93,7 +101,7 @@ class PagedAttend:
         vals = vc[inp.gather_slots].transpose(1, 2)
         qp = q.unsqueeze(0) if self.single else q[inp.q_index]  # [B, Q, H, D]
         out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), keys, vals, attn_mask=self.mask, enable_gqa=True
+            qp.transpose(1, 2), keys, vals, attn_mask=self.mask, is_causal=self.causal, enable_gqa=True
         )  # [B, H, Q, D]
         b, h, nq, d = out.shape
         out = out.transpose(1, 2).reshape(b * nq, h * d)
