@@ -11,6 +11,7 @@ exactly at EOS, a stop id or ``max_new_tokens``.
 from __future__ import annotations
 
 import itertools
+import operator
 import random
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -74,6 +75,7 @@ class Engine:
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
+        self._next_replica = itertools.count()  # round-robin, apart from admission order
 
     # -- requests ------------------------------------------------------------------
     def add_request(
@@ -81,8 +83,13 @@ class Engine:
     ) -> TextContext:
         """Queues a request; a bad one is rejected (``status == REJECTED``), never raised."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        tokens = list(prompt)
+        try:  # numpy / torch integers -> int; anything else is left for _validate to reject
+            tokens = [operator.index(t) for t in tokens]
+        except TypeError:
+            pass
         ctx = TextContext(
-            request_id=rid, tokens=list(prompt), prompt_len=len(prompt), sampling=sampling,
+            request_id=rid, tokens=tokens, prompt_len=len(tokens), sampling=sampling,
             eos_token_ids=self.eos_token_ids,
         )
         try:
@@ -92,7 +99,7 @@ class Engine:
             self.finished.append(ctx)
             return ctx
         ctx.seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
-        ctx.replica = next(self._arrivals) % self.num_replicas
+        ctx.replica = next(self._next_replica) % self.num_replicas
         self.waiting.append(ctx)
         return ctx
 
@@ -105,7 +112,10 @@ class Engine:
         if not ctx.tokens:
             raise RequestError(f"request {rid!r}: empty prompt")
         vocab = self.pipeline.vocab_size
-        bad = [t for t in ctx.tokens if not isinstance(t, int) or not (0 <= t < vocab)]
+        not_int = [t for t in ctx.tokens if not isinstance(t, int)]
+        if not_int:
+            raise RequestError(f"request {rid!r}: token ids must be integers, got {not_int[:5]}")
+        bad = [t for t in ctx.tokens if not (0 <= t < vocab)]
         if bad:
             raise RequestError(f"request {rid!r}: token ids out of vocabulary [0, {vocab}): {bad[:5]}")
         if len(ctx.tokens) >= self.pipeline.max_seq_len:
@@ -119,7 +129,9 @@ class Engine:
         return bool(self.waiting or self.running)
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.config.max_batch_size:
+        # The pipeline's own bound (state slots, KV sizing) caps the engine's.
+        limit = min(self.config.max_batch_size, getattr(self.pipeline, "max_batch_size", self.config.max_batch_size))
+        while self.waiting and len(self.running) < limit:
             ctx = self.waiting.popleft()
             ctx.status = Status.RUNNING
             ctx.arrival = next(self._arrivals)
@@ -173,6 +185,16 @@ class Engine:
         if not batch:
             return []
         batch, num_new = self._reserve(batch, num_new)
+        while not batch and self.running:
+            # Every scheduled request was preempted (they held too few blocks to
+            # make room): schedule the running ones the budget left out, which
+            # hold the blocks. Each round preempts at least one, so this ends.
+            batch, num_new = self._schedule()
+            if not batch:
+                return []
+            batch, num_new = self._reserve(batch, num_new)
+        if not batch:
+            return []
         new_tokens = self.pipeline.step(batch, num_new)
         self.stats.steps += 1
         self.stats.step_batch_sizes.append(len(batch))

@@ -45,7 +45,8 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, lane: int, width: int 
     if width is not None:
         j = torch.arange(width, device=seeds.device, dtype=torch.long)
         row = _mix32(row.unsqueeze(-1) ^ _mix32(j + 0x68E31DA4))
-    return ((row >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    # 23 bits: (k + 0.5) / 2**23 is exact in float32, so 0 < u < 1 strictly.
+    return ((row >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def sample_from(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, lane: int) -> torch.Tensor:
@@ -78,7 +79,7 @@ def probs_from_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor
     temp = torch.where(st.temperature > 0, st.temperature, torch.ones_like(st.temperature))
     x = logits.float() / temp.view(-1, 1, 1)
     if st.any_top_k:
-        k = st.top_k.clamp(min=0).view(-1, 1, 1)
+        k = st.top_k.clamp(min=0, max=x.shape[-1]).view(-1, 1, 1)  # top_k >= vocab: no cut
         srt = torch.sort(x, dim=-1, descending=True).values
         kth = srt.gather(-1, (k - 1).clamp(min=0).expand(*x.shape[:-1], 1))
         x = torch.where((k > 0) & (x < kth), torch.full_like(x, float("-inf")), x)

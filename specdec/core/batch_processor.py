@@ -266,6 +266,7 @@ def _pack(
         out_index=torch.from_numpy(out_index),
         logit_index=torch.from_numpy(logit_index),
         context_lengths=torch.from_numpy(ctx_len),
+        gather_is_exact=True,
     )
     return inputs, draft_index
 

@@ -63,6 +63,9 @@ class DecoderInputs:
     logit_index: torch.Tensor  # [N] int64, packed rows whose logits are returned
     kv_cache: KVCacheTensors | None = None
     context_lengths: torch.Tensor | None = None  # [B] each request's length after this step
+    # True when gather_slots spans exactly each request's context (the packer's
+    # batches); False when it reaches past it (the drafter's one-token steps).
+    gather_is_exact: bool = False
     # Where each data-parallel replica's requests start: [R + 1], host ints.
     data_parallel_splits: list[int] = field(default_factory=lambda: [0])
 

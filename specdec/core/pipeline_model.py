@@ -185,6 +185,7 @@ class GenerationPipeline(Protocol):
 
     max_seq_len: int
     vocab_size: int
+    max_batch_size: int  # requests it can run at once
 
     def reserve(self, ctx: TextContext, num_new: int) -> None:
         """Makes KV room for feeding ``num_new`` more tokens (raises OutOfBlocks)."""
@@ -206,6 +207,8 @@ class PlainGeneration:
         self.target = target
         self.max_seq_len = max_seq_len
         self.vocab_size = target.config.vocab_size
+        rt = target.processor.runtime
+        self.max_batch_size = rt.max_batch_size * rt.data_parallel_degree
         self.num_forwards = 0
 
     def unprocessed(self, ctx: TextContext) -> int:

@@ -26,6 +26,12 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
 
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("default", "llama3"):
+            raise ValueError(
+                f"rope_scaling.rope_type {self.rope_type!r} is not supported (supported: default, llama3)"
+            )
+
     def inv_freq(self, head_dim: int) -> torch.Tensor:
         """Inverse frequencies [head_dim // 2], float64, with Llama 3 scaling."""
         inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -115,6 +121,21 @@ class LlamaConfig:
         sliding = d.get("sliding_window")
         if (is_qwen2 or is_qwen3) and not d.get("use_sliding_window", False):
             sliding = None
+        if sliding:
+            # One window for every layer; HF may window only some (Qwen2/3:
+            # layers >= max_window_layers, listed in layer_types by transformers 5).
+            kinds = d.get("layer_types")
+            if not kinds and (is_qwen2 or is_qwen3):
+                first = int(d.get("max_window_layers", 28))  # HF's default
+                kinds = ["sliding_attention" if i >= first else "full_attention"
+                         for i in range(int(d["num_hidden_layers"]))]
+            if kinds and all(k == "full_attention" for k in kinds):
+                sliding = None
+            elif kinds and any(k != "sliding_attention" for k in kinds):
+                raise ValueError(
+                    f"config.layer_types {kinds} mixes full and sliding-window attention; "
+                    "a per-layer sliding window is not supported"
+                )
         eos = d.get("eos_token_id")
         eos_list = [] if eos is None else (list(eos) if isinstance(eos, list) else [int(eos)])
         dtype = d.get("torch_dtype") or d.get("dtype") or "float32"

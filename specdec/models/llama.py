@@ -80,7 +80,7 @@ class PagedAttend:
         self.single = b == 1 and q == inputs.tokens.shape[0]  # one request: no packing
         self.causal = False
         self.mask: torch.Tensor | None = None
-        if self.single and window is None and q in (1, s):
+        if self.single and inputs.gather_is_exact and window is None and q in (1, s):
             # One request reads exactly its context: a lone query sees every
             # key, and a whole fresh sequence is plain causal. No mask needed.
             self.causal = q == s and q > 1

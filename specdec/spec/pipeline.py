@@ -137,6 +137,7 @@ class SpecDecodePipelineModel:
         self.config = config
         self.max_seq_len = max_seq_len
         self.vocab_size = target.config.vocab_size
+        self.max_batch_size = target.processor.runtime.max_batch_size  # one state slot each
         gmax = max(config.num_speculative_tokens, 1)
         self.state = RequestStateStore(
             spec_state_specs(gmax),
@@ -186,9 +187,9 @@ class SpecDecodePipelineModel:
                 self.state.tensors[name][ctx.slot] = value
         processed = ctx.processed(self.target.cache_name)
         full = processed + num_new == len(ctx.tokens)
-        # The batch pads every request to the step's largest γ, so reserve for
-        # the method's γ (the bound on that pad).
-        g = self.config.num_speculative_tokens if full and self.gamma_for(ctx) else 0
+        # The batch pads every request to the step's largest γ (even a request
+        # whose own γ is 0), so reserve for the method's γ, the bound on that pad.
+        g = self.config.num_speculative_tokens if full else 0
         self.target.reserve(ctx, processed + num_new + g)
         if g:
             self.proposer.reserve(ctx, g)
