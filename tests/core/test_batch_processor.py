@@ -1,0 +1,270 @@
+"""DecoderBatchProcessor: ragged packing, index tensors, data-parallel splits."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specdec.core.batch_processor import BatchProcessorRuntime, DecoderBatchProcessor, split_replicas
+from specdec.core.context import SamplingParams, TextContext
+from specdec.core.inputs import DECODER_INPUT_SPECS, DecoderOutputs, InputSpec
+from specdec.core.kv_cache import BlockTable, KVCacheParams, PagedKVCache
+from specdec.core.state_store import RequestStateStore, StateSpec
+
+CACHE = "target"
+
+
+def _params(block_size: int = 4, num_blocks: int = 256) -> KVCacheParams:
+    return KVCacheParams(num_layers=1, num_kv_heads=1, head_dim=2, block_size=block_size, num_blocks=num_blocks)
+
+
+def _processor(replicas: int = 1, block_size: int = 4, num_blocks: int = 256,
+               max_batch_size: int = 16, max_seq_len: int = 64) -> DecoderBatchProcessor:
+    caches = [PagedKVCache(_params(block_size, num_blocks), CACHE) for _ in range(replicas)]
+    rt = BatchProcessorRuntime(kv_caches=caches, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    return DecoderBatchProcessor(config=None, runtime=rt)
+
+
+def _ctx(rid: str, tokens: list[int], cached: int, cache: PagedKVCache, replica: int = 0) -> TextContext:
+    """A context whose first ``cached`` tokens are already in ``cache``."""
+    c = TextContext(rid, list(tokens), len(tokens), SamplingParams(), replica=replica)
+    t = BlockTable()
+    c.kv[CACHE] = t
+    cache.reserve(t, len(tokens))  # blocks for the whole sequence, as the scheduler does
+    t.num_tokens = cached
+    return c
+
+
+def test_worked_example_from_inputs_docstring():
+    """The two-request example of specdec.core.inputs (block size 4)."""
+    p = _processor(block_size=4)
+    cache = p.runtime.kv_caches[0]
+    a = _ctx("a", [10, 11, 12, 13], 3, cache)  # blocks [0]
+    b = _ctx("b", [20, 21], 0, cache)  # blocks [1]
+    batch = p.prepare_initial_token_inputs([[a, b]])
+    inp = batch.inputs
+    assert inp.tokens.tolist() == [13, 20, 21]
+    assert inp.positions.tolist() == [3, 0, 1]
+    assert inp.slot_mapping.tolist() == [3, 4, 5]
+    assert inp.gather_slots[0].tolist() == [0, 1, 2, 3]
+    assert inp.gather_slots[1, :2].tolist() == [4, 5]  # the rest is padding
+    assert inp.q_index.tolist() == [[0, 0], [1, 2]]
+    assert inp.q_pos.tolist() == [[3, 0], [0, 1]]
+    assert inp.out_index.tolist() == [0, 2, 3]
+    assert inp.logit_index.tolist() == [0, 2]
+    assert inp.context_lengths.tolist() == [4, 2]
+    assert inp.data_parallel_splits == [0, 2]
+    assert batch.num_new == [1, 2]
+    assert a.processed() == 4 and b.processed() == 2
+
+
+# Requests: (total tokens, already cached, chunk: None = all the rest, else a fraction).
+request = st.tuples(st.integers(1, 40), st.floats(0, 1), st.one_of(st.none(), st.floats(0, 1)))
+
+
+@st.composite
+def batches(draw):
+    replicas = draw(st.integers(1, 3))
+    block_size = draw(st.integers(1, 6))
+    per_replica = [draw(st.lists(request, min_size=1, max_size=5)) for _ in range(replicas)]
+    n_logits = draw(st.integers(1, 4))
+    seed = draw(st.integers(0, 2**16))
+    return replicas, block_size, per_replica, n_logits, seed
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches())
+def test_packing_properties(spec):
+    replicas, block_size, per_replica, n_logits, seed = spec
+    p = _processor(replicas=replicas, block_size=block_size)
+    caches = p.runtime.kv_caches
+    g = torch.Generator().manual_seed(seed)
+    rbs: list[list[TextContext]] = []
+    num_tokens: list[int] = []
+    for r, reqs in enumerate(per_replica):
+        rb = []
+        for i, (total, cached_frac, chunk) in enumerate(reqs):
+            cached = min(int(total * cached_frac), total - 1)  # at least one token to feed
+            toks = torch.randint(0, 1000, (total,), generator=g).tolist()
+            rb.append(_ctx(f"r{r}-{i}", toks, cached, caches[r], replica=r))
+            rest = total - cached
+            num_tokens.append(rest if chunk is None else max(1, int(rest * chunk)))
+        rbs.append(rb)
+    ctxs = [c for rb in rbs for c in rb]
+    starts = [c.processed() for c in ctxs]
+    tables = [list(c.kv[CACHE].blocks) for c in ctxs]
+    replica_of = [c.replica for c in ctxs]
+
+    batch = p.prepare_initial_token_inputs(rbs, return_n_logits=n_logits, num_tokens=num_tokens)
+    inp = batch.inputs
+    b = len(ctxs)
+    t = sum(num_tokens)
+
+    # Replica order and where each replica starts.
+    assert batch.contexts == ctxs
+    splits = [0]
+    for rb in rbs:
+        splits.append(splits[-1] + len(rb))
+    assert inp.data_parallel_splits == splits
+    assert batch.num_new == num_tokens
+
+    # Tokens: each request's new tokens, concatenated; positions continue its cache.
+    want_tokens, want_pos, want_slots = [], [], []
+    for c, s, n, r in zip(ctxs, starts, num_tokens, replica_of):
+        want_tokens += c.tokens[s : s + n]
+        want_pos += list(range(s, s + n))
+        want_slots += caches[r].slots(c.kv[CACHE], s, s + n)
+    assert inp.tokens.tolist() == want_tokens
+    assert inp.positions.tolist() == want_pos
+    assert inp.slot_mapping.tolist() == want_slots
+    # slot_mapping through the block tables: block of position // bs, offset position % bs.
+    row = 0
+    for s, n, blocks in zip(starts, num_tokens, tables):
+        for k in range(n):
+            pos = s + k
+            assert inp.slot_mapping[row + k] == blocks[pos // block_size] * block_size + pos % block_size
+        row += n
+    # No two new tokens of one replica write the same slot.
+    replica_of_row = torch.repeat_interleave(torch.tensor(replica_of), torch.tensor(num_tokens))
+    for r in range(replicas):
+        slots = inp.slot_mapping[replica_of_row == r].tolist()
+        assert len(set(slots)) == len(slots)
+
+    # Context lengths advance; gather_slots reads each request's whole context.
+    assert inp.context_lengths.tolist() == [s + n for s, n in zip(starts, num_tokens)]
+    for i, c in enumerate(ctxs):
+        ln = starts[i] + num_tokens[i]
+        assert c.processed() == ln
+        assert inp.gather_slots[i, :ln].tolist() == caches[replica_of[i]].slots(c.kv[CACHE], 0, ln)
+    assert inp.gather_slots.shape == (b, max(s + n for s, n in zip(starts, num_tokens)))
+
+    # packed -> padded -> packed is the identity; padded queries carry their positions.
+    q = inp.q_index.shape[1]
+    assert inp.q_index.shape == inp.q_pos.shape == (b, max(num_tokens))
+    x = torch.arange(t) * 7 + 3  # any per-row payload
+    padded = x[inp.q_index]  # [B, Q]
+    assert torch.equal(padded.reshape(-1)[inp.out_index], x)
+    assert sorted(inp.out_index.tolist()) == inp.out_index.tolist()  # request-major
+    off = 0
+    for i, n in enumerate(num_tokens):
+        assert inp.q_index[i, :n].tolist() == list(range(off, off + n))
+        assert inp.q_pos[i, :n].tolist() == want_pos[off : off + n]
+        assert (inp.q_pos[i, n:] == 0).all()
+        assert inp.out_index[off : off + n].tolist() == list(range(i * q, i * q + n))
+        # logit_index: the request's last n_logits rows (its first row repeated when short).
+        want = [max(off + n - n_logits + k, off) for k in range(n_logits)]
+        assert inp.logit_index[i * n_logits : (i + 1) * n_logits].tolist() == want
+        off += n
+
+    # Per-replica views re-base every index to that replica's rows.
+    parts = split_replicas(inp, n_logits)
+    if replicas == 1:
+        assert parts == [inp]
+    else:
+        assert len(parts) == replicas
+        for r, part in enumerate(parts):
+            a, bb = splits[r], splits[r + 1]
+            rows = [i for i in range(b) if a <= i < bb]
+            toks = [tok for i in rows for tok in ctxs[i].tokens[starts[i] : starts[i] + num_tokens[i]]]
+            assert part.tokens.tolist() == toks
+            y = torch.arange(len(toks))
+            assert torch.equal(y[part.q_index].reshape(-1)[part.out_index], y)
+            assert part.logit_index.numel() == len(rows) * n_logits
+            assert part.logit_index.max() < len(toks)
+            assert part.data_parallel_splits == [0, len(rows)]
+
+    # process_outputs: rows per request.
+    v = 5
+    logits = torch.randn(b * n_logits, v)
+    out = p.process_outputs([DecoderOutputs(logits=logits, hidden_states=torch.zeros(b * n_logits, 2))], batch)
+    assert out.logit_offsets.tolist() == [i * n_logits for i in range(b + 1)]
+
+
+def test_replica_batches_must_match_degree():
+    p = _processor(replicas=2)
+    c = _ctx("a", [1, 2, 3], 0, p.runtime.kv_caches[0])
+    with pytest.raises(ValueError, match="data-parallel degree 2"):
+        p.prepare_initial_token_inputs([[c]])
+    with pytest.raises(ValueError, match="data-parallel degree 2"):
+        p.prepare_initial_token_inputs([[c], [], []])
+    assert c.processed() == 0  # nothing advanced
+
+
+def test_empty_batch_and_bad_chunks_are_errors():
+    p = _processor()
+    with pytest.raises(ValueError, match="empty"):
+        p.prepare_initial_token_inputs([[]])
+    c = _ctx("req-7", [1, 2, 3], 2, p.runtime.kv_caches[0])
+    with pytest.raises(ValueError, match="req-7"):
+        p.prepare_initial_token_inputs([[c]], num_tokens=[2])  # only 1 unprocessed
+    with pytest.raises(ValueError):
+        p.prepare_initial_token_inputs([[c]], num_tokens=[0])
+
+
+def test_split_replicas_with_an_empty_replica():
+    """Under data parallelism one replica may have nothing to run this step."""
+    p = _processor(replicas=2)
+    a = _ctx("a", [1, 2, 3], 0, p.runtime.kv_caches[0], replica=0)
+    batch = p.prepare_initial_token_inputs([[a], []])
+    assert batch.inputs.data_parallel_splits == [0, 1, 1]
+    parts = split_replicas(batch.inputs, 1)
+    assert len(parts) == 2
+    assert parts[0].tokens.tolist() == [1, 2, 3]
+    assert parts[1].tokens.numel() == 0
+
+
+def test_lookahead_placeholders():
+    p = _processor(block_size=2)
+    cache = p.runtime.kv_caches[0]
+    a = _ctx("a", [5, 6, 7], 2, cache)
+    cache.reserve(a.kv[CACHE], 3 + 2)
+    b = _ctx("b", [8, 9], 0, cache)
+    cache.reserve(b.kv[CACHE], 2 + 2)
+    batch = p.prepare_initial_token_inputs([[a, b]], lookahead=2, return_n_logits=3)
+    assert batch.inputs.tokens.tolist() == [7, 0, 0, 8, 9, 0, 0]
+    assert batch.inputs.positions.tolist() == [2, 3, 4, 0, 1, 2, 3]
+    assert batch.draft_index.tolist() == [[1, 2], [5, 6]]
+    assert batch.num_new == [1, 2] and batch.lookahead == 2
+    assert a.processed() == 5 and b.processed() == 4
+
+
+def test_max_dims():
+    p = _processor(max_batch_size=8, max_seq_len=32, block_size=4, num_blocks=10)
+    kv = _params(4, 10)
+    dims = p.max_dims(["batch_size", "total_tokens", "max_context", "max_new_tokens", "num_logits", "num_slots"], kv)
+    assert dims == {"batch_size": 8, "total_tokens": 256, "max_context": 32, "max_new_tokens": 32,
+                    "num_logits": 256, "num_slots": 40}
+    with pytest.raises(ValueError, match="no_such_dim"):
+        p.max_dims(["batch_size", "no_such_dim"], kv)
+    # A state store bounds its own dims.
+    p.state_store = RequestStateStore([StateSpec("draft", torch.long, ("gamma",))], max_batch_size=8, dims={"gamma": 5})
+    assert p.max_dims(["gamma", "max_batch_size", "batch_size"], kv) == {"gamma": 5, "max_batch_size": 8, "batch_size": 8}
+
+
+def test_symbolic_inputs_before_and_after_binding():
+    p = _processor()
+    kv = KVCacheParams(num_layers=3, num_kv_heads=2, head_dim=8)
+    specs = p.get_symbolic_inputs(kv_params=kv, device_refs=["cpu"])
+    assert specs[: len(DECODER_INPUT_SPECS)] == list(DECODER_INPUT_SPECS)
+    names = [s.name for s in specs]
+    assert names[: 8] == ["tokens", "positions", "slot_mapping", "gather_slots",
+                          "q_index", "q_pos", "out_index", "logit_index"]
+    assert names[8:] == ["kv_cache.k", "kv_cache.v"]
+    assert specs[8].shape == (3, "num_slots", 2, 8)
+    assert all(s.dtype == torch.int64 for s in specs[:8])
+    # Every symbolic dim is bounded.
+    dims = {d for s in specs for d in s.shape if isinstance(d, str)}
+    assert set(p.max_dims(dims, kv)) == dims
+
+    # After binding: the bound inputs, in order, state-store names sized by the store.
+    p.state_store = RequestStateStore([StateSpec("accepted", torch.long, (4,))], max_batch_size=2)
+    tree = OrderedDict([("tokens", DECODER_INPUT_SPECS[0]), ("accepted", "accepted")])
+    p.bind_input_tree(tree)
+    bound = p.get_symbolic_inputs(kv_params=kv, device_refs=["cpu"])
+    assert bound == [DECODER_INPUT_SPECS[0], InputSpec("accepted", torch.long, ("batch_size", 4))]
+    with pytest.raises(ValueError, match="nope"):
+        p.bind_input_tree(OrderedDict([("nope", 3)]))

@@ -1,0 +1,417 @@
+"""The continuous-batching engine over PlainGeneration: batching never changes outputs.
+
+Every engine here serves a tiny random Llama (Llama 3 rope scaling) saved with
+``save_pretrained``; greedy references come from transformers' ``generate``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specdec.core.context import SamplingParams, Status
+from specdec.core.kv_cache import BlockAllocator
+from specdec.core.pipeline_model import PlainGeneration, RuntimeConfig, registered_pipeline_model
+from specdec.engine import Engine, EngineConfig, generate_ids
+
+MAX_SEQ = 256
+BLOCK = 8
+GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1234, max_new_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(hf_checkpoint):
+    return hf_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def _shared_pipeline(ckpt):
+    path, _ = ckpt
+    return registered_pipeline_model(path, RuntimeConfig(max_batch_size=16, max_seq_len=MAX_SEQ, block_size=BLOCK))
+
+
+def _reset(pm):
+    """A fresh allocator, so a failed test's leftovers cannot leak into the next."""
+    for cache in pm.caches:
+        cache.allocator = BlockAllocator(cache.params.num_blocks)
+    return pm
+
+
+@pytest.fixture
+def big_pipeline(_shared_pipeline):
+    """Room for 16 full sequences: never preempts. Shared by the module's tests."""
+    return _reset(_shared_pipeline)
+
+
+def _engine(pm, max_batch_size: int = 16, max_tokens_per_step: int = 2048, **kw) -> Engine:
+    return Engine(
+        PlainGeneration(pm, pm.processor.runtime.max_seq_len),
+        EngineConfig(max_batch_size=max_batch_size, max_tokens_per_step=max_tokens_per_step),
+        **kw,
+    )
+
+
+def _assert_all_free(pm) -> None:
+    for cache in pm.caches:
+        assert cache.allocator.num_free == cache.params.num_blocks, "KV blocks leaked"
+
+
+def _prompts(seed: int, lengths: list[int], vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _run(pm, prompts, params, **engine_kw) -> tuple[list, Engine]:
+    engine = _engine(pm, **engine_kw)
+    ctxs = generate_ids(engine, prompts, params)
+    _assert_all_free(pm)
+    return ctxs, engine
+
+
+def _alone(pm, prompt, params) -> list[int]:
+    (ctx,), _ = _run(pm, [prompt], params)
+    assert ctx.error is None
+    return ctx.generated
+
+
+# -- batched == alone == transformers -------------------------------------------------
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(
+    lengths=st.lists(st.integers(1, 200), min_size=1, max_size=16),
+    new_tokens=st.lists(st.integers(1, 12), min_size=16, max_size=16),
+    max_batch_size=st.integers(1, 16),
+    max_tokens_per_step=st.sampled_from([2048, 300, 64]),
+    seed=st.integers(0, 2**16),
+)
+def test_batched_equals_alone_equals_transformers(
+    lengths, new_tokens, max_batch_size, max_tokens_per_step, seed, big_pipeline, ckpt, hf_greedy
+):
+    _, hf = ckpt
+    prompts = _prompts(seed, lengths, hf.config.vocab_size)
+    params = [SamplingParams(max_new_tokens=new_tokens[i], ignore_eos=True) for i in range(len(prompts))]
+    ctxs, engine = _run(big_pipeline, prompts, params, max_batch_size=max_batch_size,
+                        max_tokens_per_step=max_tokens_per_step)
+    assert engine.stats.preemptions == 0
+    assert max(engine.stats.step_batch_sizes) <= max_batch_size
+    assert engine.stats.tokens_generated == sum(new_tokens[: len(prompts)])
+    for p, sp, c in zip(prompts, params, ctxs):
+        assert c.status is Status.FINISHED and c.finish_reason == "length", c.error
+        assert len(c.generated) == sp.max_new_tokens
+        assert c.tokens[: len(p)] == p
+        assert c.generated == hf_greedy(hf, p, sp.max_new_tokens), f"{c.request_id}: differs from HF"
+        assert c.generated == _alone(big_pipeline, p, sp), f"{c.request_id}: batched != alone"
+
+
+def test_seeded_sampling_same_alone_and_in_batch(big_pipeline, ckpt):
+    _, hf = ckpt
+    v = hf.config.vocab_size
+    target = _prompts(1, [37], v)[0]
+    alone = _alone(big_pipeline, target, SAMPLED)
+    assert len(alone) == SAMPLED.max_new_tokens
+    # In a batch with greedy and differently-sampled neighbours, placed in the middle.
+    others = _prompts(2, [5, 120, 1, 64], v)
+    prompts = others[:2] + [target] + others[2:]
+    params = [
+        GREEDY,
+        SamplingParams(temperature=1.3, top_k=5, seed=7, max_new_tokens=9, ignore_eos=True),
+        SAMPLED,
+        SamplingParams(temperature=0.5, top_p=0.5, max_new_tokens=3, ignore_eos=True),  # engine-drawn seed
+        GREEDY,
+    ]
+    ctxs, _ = _run(big_pipeline, prompts, params, max_batch_size=4)
+    assert ctxs[2].generated == alone
+    # The seed matters (a different one gives a different continuation) and
+    # sampling is not secretly greedy.
+    reseeded = _alone(big_pipeline, target, SamplingParams(**{**SAMPLED.__dict__, "seed": 99}))
+    greedy = _alone(big_pipeline, target, GREEDY)
+    assert reseeded != alone or greedy != alone
+
+
+def test_top_k_larger_than_vocab_is_no_cut(big_pipeline, ckpt):
+    """top_k >= vocab keeps every token (as if top_k were 0) instead of failing."""
+    _, hf = ckpt
+    prompt = _prompts(3, [10], hf.config.vocab_size)[0]
+    base = SamplingParams(temperature=0.8, seed=5, max_new_tokens=6, ignore_eos=True)
+    big_k = SamplingParams(temperature=0.8, seed=5, top_k=10 * hf.config.vocab_size, max_new_tokens=6, ignore_eos=True)
+    engine = _engine(big_pipeline)
+    a = engine.add_request(prompt, base, "no-top-k")
+    b = engine.add_request(prompt, big_k, "huge-top-k")
+    engine.run()
+    _assert_all_free(big_pipeline)
+    assert b.error is None and b.generated == a.generated
+
+
+# -- preemption, chunked prefill, data parallelism ------------------------------------
+
+
+def _workload(vocab: int):
+    prompts = _prompts(4, [30, 9, 45, 17, 3, 26], vocab)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (16, 12, 8, 16, 14, 10)]
+    params[3] = SamplingParams(temperature=0.9, top_k=30, seed=11, max_new_tokens=16, ignore_eos=True)
+    return prompts, params
+
+
+def _outputs(ctxs) -> list[list[int]]:
+    for c in ctxs:
+        assert c.status is Status.FINISHED, (c.request_id, c.error)
+    return [c.generated for c in ctxs]
+
+
+@pytest.fixture(scope="module")
+def reference_outputs(_shared_pipeline, ckpt):
+    _, hf = ckpt
+    prompts, params = _workload(hf.config.vocab_size)
+    ctxs, engine = _run(_reset(_shared_pipeline), prompts, params)
+    assert engine.stats.preemptions == 0
+    return _outputs(ctxs)
+
+
+def test_preemption_when_kv_blocks_run_out(ckpt, reference_outputs):
+    path, hf = ckpt
+    prompts, params = _workload(hf.config.vocab_size)
+    # 8 blocks of 8 tokens: the longest request (61 tokens) fits alone, all six do not.
+    pm = registered_pipeline_model(path, RuntimeConfig(max_batch_size=8, max_seq_len=128, block_size=8, num_blocks=8))
+    ctxs, engine = _run(pm, prompts, params, max_batch_size=8)
+    assert engine.stats.preemptions > 0
+    assert _outputs(ctxs) == reference_outputs
+
+
+@pytest.mark.parametrize("budget", [1, 7, 32])
+def test_chunked_prefill_identical(budget, big_pipeline, ckpt, reference_outputs):
+    _, hf = ckpt
+    prompts, params = _workload(hf.config.vocab_size)
+    ctxs, engine = _run(big_pipeline, prompts, params, max_batch_size=4, max_tokens_per_step=budget)
+    assert _outputs(ctxs) == reference_outputs
+    # Prefill was really split: more steps than the longest request needs unchunked.
+    assert engine.stats.steps > max(p.max_new_tokens for p in params)
+
+
+def test_chunked_prefill_with_preemption(ckpt, reference_outputs):
+    path, hf = ckpt
+    prompts, params = _workload(hf.config.vocab_size)
+    pm = registered_pipeline_model(path, RuntimeConfig(max_batch_size=8, max_seq_len=128, block_size=8, num_blocks=9))
+    ctxs, engine = _run(pm, prompts, params, max_batch_size=8, max_tokens_per_step=5)
+    assert _outputs(ctxs) == reference_outputs
+
+
+def test_preempted_request_holding_no_blocks_does_not_stall_the_step(ckpt):
+    """A step whose every scheduled request is preempted still makes progress.
+
+    A long prompt is mid-prefill and holds every block; a one-token prompt
+    arrives, is scheduled first (one token to feed) and takes the whole step
+    budget, cannot get a block and is preempted: the engine must run the
+    long prompt instead of packing an empty batch (or spinning).
+    """
+    path, hf = ckpt
+    pm = registered_pipeline_model(path, RuntimeConfig(max_batch_size=4, max_seq_len=64, block_size=4, num_blocks=3))
+    engine = _engine(pm, max_batch_size=4, max_tokens_per_step=1)
+    a = engine.add_request(list(range(1, 13)), SamplingParams(max_new_tokens=1, ignore_eos=True), "long")
+    for _ in range(9):
+        engine.step()
+    assert a.processed() == 9 and pm.caches[0].allocator.num_free == 0
+    b = engine.add_request([5], SamplingParams(max_new_tokens=2, ignore_eos=True), "short")
+    for _ in range(50):
+        if not engine.has_work():
+            break
+        engine.step()
+    assert not engine.has_work()
+    assert a.status is b.status is Status.FINISHED
+    assert engine.stats.preemptions > 0
+    ref_pm = registered_pipeline_model(path, RuntimeConfig(max_batch_size=2, max_seq_len=64, block_size=4))
+    assert a.generated == _alone(ref_pm, a.tokens[: a.prompt_len], a.sampling)
+    assert b.generated == _alone(ref_pm, [5], b.sampling)
+    _assert_all_free(pm)
+
+
+@pytest.mark.parametrize(
+    "max_new",
+    [(8, 8, 8, 8, 8, 8), (16, 12, 8, 16, 14, 10), (16, 3, 8, 2, 14, 4)],
+    ids=["same-lengths", "uneven-lengths", "one-replica-finishes-first"],
+)
+def test_data_parallel_two_replicas_identical(max_new, ckpt, reference_outputs):
+    """Requests alternate between replicas (0, 1, 0, ...); in the last case
+    replica 1's requests all finish while replica 0 still has work."""
+    path, hf = ckpt
+    prompts, params = _workload(hf.config.vocab_size)
+    params = [SamplingParams(**{**p.__dict__, "max_new_tokens": n}) for p, n in zip(params, max_new)]
+    pm = registered_pipeline_model(
+        path, RuntimeConfig(max_batch_size=8, max_seq_len=128, block_size=8, data_parallel_degree=2)
+    )
+    assert len(pm.modules) == 2 and len(pm.caches) == 2
+    ctxs, engine = _run(pm, prompts, params, max_batch_size=8, num_replicas=2)
+    assert [c.replica for c in ctxs] == [0, 1, 0, 1, 0, 1]
+    # A prefix of the reference: greedy and seeded sampling do not depend on max_new_tokens.
+    assert _outputs(ctxs) == [r[:n] for r, n in zip(reference_outputs, max_new)]
+
+
+def test_data_parallel_needs_supporting_decoder(ckpt):
+    from specdec.core.checkpoint import load_decoder
+    from specdec.models.llama import LlamaDecoder
+
+    class NoDP(LlamaDecoder):
+        supports_data_parallel = False
+
+    path, _ = ckpt
+    loaded = load_decoder(path)
+    loaded.module.__class__ = NoDP
+    with pytest.raises(ValueError, match="NoDP"):
+        registered_pipeline_model(loaded, RuntimeConfig(max_seq_len=32, data_parallel_degree=2))
+
+
+# -- bad requests are rejected, the rest of the batch completes -----------------------
+
+
+def test_bad_requests_rejected_by_id(big_pipeline, ckpt, hf_greedy):
+    _, hf = ckpt
+    v = hf.config.vocab_size
+    good = _prompts(5, [12, 40], v)
+    bad = {
+        "too-long": ([1] * MAX_SEQ, GREEDY, "max_seq_len"),
+        "way-too-long": ([1] * (MAX_SEQ + 50), GREEDY, "max_seq_len"),
+        "empty": ([], GREEDY, "empty prompt"),
+        "oov-high": ([1, v, 2], GREEDY, "vocabulary"),
+        "oov-negative": ([1, -1, 2], GREEDY, "vocabulary"),
+        "not-int": ([1, 2.5], GREEDY, "integers"),
+        "neg-temp": ([1, 2], SamplingParams(temperature=-0.5), "temperature"),
+        "nan-temp": ([1, 2], SamplingParams(temperature=float("nan")), "temperature"),
+        "top-p-zero": ([1, 2], SamplingParams(top_p=0.0), "top_p"),
+        "top-p-big": ([1, 2], SamplingParams(top_p=1.5), "top_p"),
+        "neg-top-k": ([1, 2], SamplingParams(top_k=-1), "top_k"),
+        "zero-new": ([1, 2], SamplingParams(max_new_tokens=0), "max_new_tokens"),
+        "bad-seed": ([1, 2], SamplingParams(seed=-3), "seed"),
+    }
+    engine = _engine(big_pipeline)
+    g0 = engine.add_request(good[0], GREEDY, "good-0")
+    rejected = {rid: engine.add_request(p, sp, rid) for rid, (p, sp, _) in bad.items()}
+    g1 = engine.add_request(good[1], GREEDY, "good-1")
+    for rid, ctx in rejected.items():
+        assert ctx.status is Status.REJECTED and ctx.finish_reason == "error"
+        assert rid in ctx.error and bad[rid][2] in ctx.error, ctx.error
+        assert ctx.generated == []
+    assert len(engine.waiting) == 2  # rejected requests never queue
+    engine.run()
+    _assert_all_free(big_pipeline)
+    for ctx, p in ((g0, good[0]), (g1, good[1])):
+        assert ctx.status is Status.FINISHED
+        assert ctx.generated == hf_greedy(hf, p, GREEDY.max_new_tokens)
+    assert {c.request_id for c in engine.finished} == set(bad) | {"good-0", "good-1"}
+
+
+def test_longest_prompt_that_fits(big_pipeline, ckpt):
+    """A prompt of max_seq_len - 1 tokens fits and stops at max_seq_len ("length")."""
+    _, hf = ckpt
+    prompt = _prompts(6, [MAX_SEQ - 3], hf.config.vocab_size)[0]
+    (ctx,), _ = _run(big_pipeline, [prompt], SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert ctx.finish_reason == "length" and len(ctx.tokens) == MAX_SEQ and len(ctx.generated) == 3
+
+
+# -- stop conditions ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def long_reference(_shared_pipeline, ckpt):
+    """A prompt and its 24 greedy tokens, and a token first seen at index >= 3."""
+    _, hf = ckpt
+    _reset(_shared_pipeline)
+    for seed in range(100):
+        prompt = _prompts(100 + seed, [15], hf.config.vocab_size)[0]
+        ref = _alone(_shared_pipeline, prompt, SamplingParams(max_new_tokens=24, ignore_eos=True))
+        for k in range(3, len(ref)):
+            if ref[k] not in ref[:k]:
+                return prompt, ref, k
+    pytest.fail("no prompt with a fresh token after position 3")
+
+
+def test_stops_at_eos(big_pipeline, long_reference):
+    prompt, ref, k = long_reference
+    eos = ref[k]
+    engine = _engine(big_pipeline, eos_token_ids=(eos,))
+    c = engine.add_request(prompt, SamplingParams(max_new_tokens=24))
+    c_ignore = engine.add_request(prompt, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    engine.run()
+    assert c.finish_reason == "eos" and c.generated == ref[: k + 1]  # EOS kept, nothing after
+    assert c_ignore.finish_reason == "length" and c_ignore.generated == ref
+    assert engine.stats.tokens_generated == k + 1 + 24
+    _assert_all_free(big_pipeline)
+
+
+def test_stops_at_stop_id(big_pipeline, long_reference):
+    prompt, ref, k = long_reference
+    (c,), _ = _run(big_pipeline, [prompt], SamplingParams(max_new_tokens=24, stop_token_ids=(12345, ref[k])))
+    assert c.finish_reason == "stop" and c.generated == ref[: k + 1]
+
+
+@pytest.mark.parametrize("n", [1, 2, 7])
+def test_stops_at_max_new_tokens(n, big_pipeline, long_reference):
+    prompt, ref, _ = long_reference
+    (c,), _ = _run(big_pipeline, [prompt], SamplingParams(max_new_tokens=n, ignore_eos=True))
+    assert c.finish_reason == "length" and c.generated == ref[:n]
+
+
+def test_generate_ids_checks_params_length(big_pipeline):
+    with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
+        generate_ids(_engine(big_pipeline), [[1, 2]], [GREEDY, GREEDY])
+
+
+def test_engine_config_validates():
+    with pytest.raises(ValueError, match="max_batch_size"):
+        EngineConfig(max_batch_size=0)
+    with pytest.raises(ValueError, match="max_tokens_per_step"):
+        EngineConfig(max_tokens_per_step=0)
+    with pytest.raises(ValueError, match="data_parallel_degree"):
+        RuntimeConfig(data_parallel_degree=0)
+
+
+def test_data_parallel_balances_requests_arriving_between_steps(ckpt):
+    """Requests added one at a time between steps still alternate replicas."""
+    path, hf = ckpt
+    pm = registered_pipeline_model(
+        path, RuntimeConfig(max_batch_size=8, max_seq_len=64, block_size=8, data_parallel_degree=2)
+    )
+    engine = _engine(pm, max_batch_size=8, num_replicas=2)
+    ctxs = []
+    for p in _prompts(7, [5, 9, 3, 12], hf.config.vocab_size):
+        ctxs.append(engine.add_request(p, SamplingParams(max_new_tokens=4, ignore_eos=True)))
+        engine.step()
+    engine.run()
+    assert [c.replica for c in ctxs] == [0, 1, 0, 1]
+    ref_pm = registered_pipeline_model(path, RuntimeConfig(max_batch_size=2, max_seq_len=64, block_size=8))
+    for c in ctxs:
+        assert c.generated == _alone(ref_pm, c.tokens[: c.prompt_len], c.sampling)
+    _assert_all_free(pm)
+
+
+def test_integer_like_prompts_accepted(big_pipeline, ckpt):
+    """numpy and torch integer prompts are token ids like any list of ints."""
+    import numpy as np
+
+    _, hf = ckpt
+    prompt = _prompts(8, [11], hf.config.vocab_size)[0]
+    want = _alone(big_pipeline, prompt, GREEDY)
+    engine = _engine(big_pipeline)
+    a = engine.add_request(np.asarray(prompt, dtype=np.int64), GREEDY, "numpy")
+    b = engine.add_request(torch.tensor(prompt), GREEDY, "torch")
+    c = engine.add_request([1, 2.5, 3], GREEDY, "float")
+    engine.run()
+    assert a.error is None and a.generated == want
+    assert b.error is None and b.generated == want
+    assert all(type(t) is int for t in a.tokens + b.tokens)
+    assert c.status is Status.REJECTED and "float" in c.error and "2.5" in c.error
+    _assert_all_free(big_pipeline)
+
+
+def test_data_parallel_with_preemption(ckpt, reference_outputs):
+    """Each replica has its own small cache: preemption per replica, same outputs."""
+    path, hf = ckpt
+    prompts, params = _workload(hf.config.vocab_size)
+    pm = registered_pipeline_model(
+        path, RuntimeConfig(max_batch_size=8, max_seq_len=128, block_size=8, num_blocks=9, data_parallel_degree=2)
+    )
+    ctxs, engine = _run(pm, prompts, params, max_batch_size=8, num_replicas=2, max_tokens_per_step=40)
+    assert engine.stats.preemptions > 0
+    assert _outputs(ctxs) == reference_outputs
