@@ -1,0 +1,235 @@
+"""τ, α and per-position acceptance equal values counted by hand.
+
+Definitions (DESIGN.md, :mod:`specdec.spec.metrics`):
+- τ = (accepted + bonus) / target forward passes (per request: its steps);
+- α = accepted / proposed;
+- per-position acceptance i = accepted_at[i] / reached[i], position i being
+  *reached* when drafts 0 … i-1 were all accepted.
+
+A test-only proposer, ``scripted_test``, proposes a scripted sequence: the
+target's true greedy continuation with wrong tokens injected at known
+generated indices. Greedy verification keeps exactly the drafts before the
+first wrong one, so every step's outcome can be worked out on paper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+import pytest
+import torch
+
+from specdec.core.context import SamplingParams, TextContext
+from specdec.sampling import SamplingTensors
+from specdec.spec.metrics import SpecCounts
+from specdec.spec.proposers.base import (
+    DraftBatch,
+    Drafter,
+    DraftOutput,
+    Proposer,
+    ProposerDeps,
+    register_proposer,
+    registered_proposers,
+)
+from specdec.spec.proposers.draft_model import DraftModelConfig
+from specdec.spec.proposers.ngram import NgramConfig
+
+# -- SpecCounts by itself ----------------------------------------------------------------------
+
+
+def test_record_counts_one_request_by_hand() -> None:
+    c = SpecCounts()
+    c.record(3, 1)  # γ 3: d0 kept, d1 rejected -> reached [1,1,0], kept [1,0,0]
+    c.record(3, 3)  # all kept, bonus        -> reached [1,1,1], kept [1,1,1]
+    c.record(2, 0)  # γ 2: d0 rejected       -> reached [1,0],   kept [0,0]
+    c.record(0, 0)  # plain decoding step     -> nothing reached
+    assert c.steps == 4
+    assert c.proposed == 3 + 3 + 2 + 0 == 8
+    assert c.accepted == 1 + 3 + 0 + 0 == 4
+    assert c.bonus == 4  # one per step
+    assert c.reached == [3, 2, 1]
+    assert c.accepted_at == [2, 1, 1]
+    assert c.accepted_hist == [2, 1, 0, 1]  # k = 0 twice, 1 once, 3 once
+    assert c.tau == (4 + 4) / 4 == 2.0
+    assert c.alpha == 4 / 8
+    assert c.per_position == [2 / 3, 1 / 2, 1 / 1]
+
+
+def test_record_grows_with_the_largest_gamma_seen() -> None:
+    c = SpecCounts()
+    c.record(1, 1)  # reached [1],        kept [1]
+    c.record(4, 2)  # reached [1,1,1,0],  kept [1,1,0,0]
+    assert c.reached == [2, 1, 1, 0]
+    assert c.accepted_at == [2, 1, 0, 0]
+    assert c.per_position == [1.0, 1.0, 0.0, 0.0]  # never-reached position: 0, not a division by zero
+
+
+def test_merge_adds_counters_elementwise() -> None:
+    a = SpecCounts()
+    a.record(2, 2)  # reached [1,1], kept [1,1], hist [0,0,1]
+    b = SpecCounts()
+    b.record(4, 0)  # reached [1,0,0,0], kept [0,0,0,0], hist [1]
+    b.record(4, 4)  # reached [1,1,1,1], kept [1,1,1,1], hist [0,0,0,0,1]
+    a.merge(b)
+    assert (a.steps, a.proposed, a.accepted, a.bonus) == (3, 2 + 8, 2 + 4, 3)
+    assert a.reached == [3, 2, 1, 1]
+    assert a.accepted_at == [2, 2, 1, 1]
+    assert a.accepted_hist == [1, 0, 1, 0, 1]
+    assert a.tau == (6 + 3) / 3
+    assert a.alpha == 6 / 10
+    assert a.per_position == [2 / 3, 1.0, 1.0, 1.0]
+    empty = SpecCounts()
+    assert (empty.tau, empty.alpha, empty.per_position) == (0.0, 0.0, [])
+
+
+# -- a scripted drafter against a real target ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScriptedConfig:
+    """Drafts by request id: ``script[rid][i]`` is proposed for generated index ``i``."""
+
+    name: str = "scripted_test"
+    num_speculative_tokens: int = 3
+    script: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+
+@dataclass
+class ScriptedBatch(DraftBatch):
+    tokens: torch.Tensor  # [B, γ]
+
+
+class ScriptedDrafter(Drafter):
+    def forward(self, batch: ScriptedBatch, sampling: SamplingTensors) -> DraftOutput:  # type: ignore[override]
+        return DraftOutput(tokens=batch.tokens, probs=None)
+
+
+class ScriptedProposer(Proposer):
+    def __init__(self, config: ScriptedConfig, deps: ProposerDeps | None = None) -> None:
+        self.script = dict(config.script)
+        self.drafter = ScriptedDrafter()
+        self.calls: list[tuple[str, int, int]] = []  # (request, generated so far, drafts asked)
+
+    def prepare(self, batch: list[TextContext], gamma: int, num_draft: list[int]) -> ScriptedBatch:
+        rows = []
+        for ctx, k in zip(batch, num_draft):
+            self.calls.append((ctx.request_id, ctx.num_generated, k))
+            s = self.script[ctx.request_id][ctx.num_generated : ctx.num_generated + k]
+            rows.append(list(s) + [0] * (gamma - len(s)))
+        return ScriptedBatch(
+            gamma=gamma,
+            num_draft=torch.tensor(num_draft, dtype=torch.long),
+            first_position=torch.tensor([len(c.tokens) for c in batch], dtype=torch.long),
+            tokens=torch.tensor(rows, dtype=torch.long).view(len(batch), gamma),
+        )
+
+
+if "scripted_test" not in registered_proposers():
+    register_proposer("scripted_test")(ScriptedProposer)
+
+
+def _wrong_at(greedy: list[int], idx: set[int], vocab: int) -> tuple[int, ...]:
+    return tuple((t + 1) % vocab if i in idx else t for i, t in enumerate(greedy))
+
+
+@pytest.fixture
+def target(tiny_llama):
+    return tiny_llama(vocab=64, seed=0)
+
+
+def test_scripted_drafter_counts_by_hand(target, generate) -> None:
+    p0, p1 = [3, 14, 15, 9, 2, 6], [27, 18, 28]
+    (g0, g1), _ = generate(target, None, [p0, p1], [SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=8)])
+    script = (
+        ("req-0", _wrong_at(g0, {1, 5, 6}, 64)),
+        ("req-1", _wrong_at(g1, {0, 2}, 64)),
+    )
+    out, llm = generate(
+        target, ScriptedConfig(num_speculative_tokens=3, script=script), [p0, p1],
+        [SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=8)],
+    )
+    assert out == [g0, g1]  # exact, whatever the drafts
+
+    # req-0: γ = 3, 12 new tokens, wrong drafts at generated indices 1, 5, 6.
+    #   step 1: gen 0, drafts idx 0,1,2: idx 1 wrong -> k = 1, emits g0[0], recovered g0[1]   gen 2
+    #   step 2: gen 2, drafts idx 2,3,4: all right   -> k = 3, emits 3 + bonus g0[5]          gen 6
+    #   step 3: gen 6, drafts idx 6,7,8: idx 6 wrong -> k = 0, emits recovered g0[6]          gen 7
+    #   step 4: gen 7, drafts idx 7,8,9: all right   -> k = 3, emits 3 + bonus g0[10]         gen 11
+    #   step 5: gen 11: one token left, γ = 12 - 11 - 1 = 0 -> plain step, k = 0              gen 12
+    # steps 5, proposed 3+3+3+3+0 = 12, accepted 1+3+0+3+0 = 7, bonus 5
+    # reached:     s1 [1,1,0] s2 [1,1,1] s3 [1,0,0] s4 [1,1,1] -> [4,3,2]
+    # accepted_at: s1 [1,0,0] s2 [1,1,1] s3 [0,0,0] s4 [1,1,1] -> [3,2,2]
+    # hist: k = 1, 3, 0, 3, 0 -> [2, 1, 0, 2]
+    c0 = llm.pipeline.counts["req-0"]
+    assert (c0.steps, c0.proposed, c0.accepted, c0.bonus) == (5, 12, 7, 5)
+    assert (c0.reached, c0.accepted_at, c0.accepted_hist) == ([4, 3, 2], [3, 2, 2], [2, 1, 0, 2])
+    assert c0.tau == pytest.approx((7 + 5) / 5)  # 2.4
+    assert c0.alpha == pytest.approx(7 / 12)
+    assert c0.per_position == pytest.approx([3 / 4, 2 / 3, 2 / 2])
+
+    # req-1: γ = 3, 8 new tokens, wrong drafts at generated indices 0, 2.
+    #   step 1: gen 0, drafts idx 0,1,2: idx 0 wrong -> k = 0, recovered g1[0]                gen 1
+    #   step 2: gen 1, drafts idx 1,2,3: idx 2 wrong -> k = 1, emits g1[1], recovered g1[2]   gen 3
+    #   step 3: gen 3, drafts idx 3,4,5: all right   -> k = 3, emits 3 + bonus g1[6]          gen 7
+    #   step 4: gen 7: γ = 8 - 7 - 1 = 0 -> plain step                                        gen 8
+    # steps 4, proposed 3+3+3+0 = 9, accepted 0+1+3+0 = 4, bonus 4
+    # reached:     s1 [1,0,0] s2 [1,1,0] s3 [1,1,1] -> [3,2,1]
+    # accepted_at: s1 [0,0,0] s2 [1,0,0] s3 [1,1,1] -> [2,1,1]
+    # hist: k = 0, 1, 3, 0 -> [2, 1, 0, 1]
+    c1 = llm.pipeline.counts["req-1"]
+    assert (c1.steps, c1.proposed, c1.accepted, c1.bonus) == (4, 9, 4, 4)
+    assert (c1.reached, c1.accepted_at, c1.accepted_hist) == ([3, 2, 1], [2, 1, 1], [2, 1, 0, 1])
+    assert c1.tau == pytest.approx((4 + 4) / 4)  # 2.0
+    assert c1.alpha == pytest.approx(4 / 9)
+    assert c1.per_position == pytest.approx([2 / 3, 1 / 2, 1 / 1])
+
+    # The run: both requests merged.
+    run = llm.pipeline.run_counts()
+    assert (run.steps, run.proposed, run.accepted, run.bonus) == (9, 21, 11, 9)
+    assert (run.reached, run.accepted_at, run.accepted_hist) == ([7, 5, 3], [5, 3, 3], [4, 2, 0, 3])
+    assert Fraction(run.accepted + run.bonus, run.steps) == Fraction(20, 9)
+    assert run.tau == pytest.approx(20 / 9)
+    assert run.alpha == pytest.approx(11 / 21)
+    assert run.per_position == pytest.approx([5 / 7, 3 / 5, 3 / 3])
+
+
+def test_gamma_zero_method_is_plain_decoding(target, generate) -> None:
+    # γ = 0: every step proposes nothing and emits one token -> τ = 1, α = 0.
+    ps = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    ref, _ = generate(target, None, ps, SamplingParams(max_new_tokens=6))
+    out, llm = generate(target, NgramConfig(num_speculative_tokens=0), ps, SamplingParams(max_new_tokens=6))
+    assert out == ref
+    c = llm.pipeline.run_counts()
+    assert (c.steps, c.proposed, c.accepted, c.bonus) == (12, 0, 0, 12)
+    assert (c.tau, c.alpha) == (1.0, 0.0)
+
+
+def test_self_draft_tau_is_gamma_plus_one(target, generate) -> None:
+    # Drafter == target: every draft kept. 1 prompt, γ = 4, 15 new tokens:
+    # steps emit 5, 5, 5 tokens -> τ = 15 / 3 = 5 = γ + 1, α = 1.
+    (out,), llm = generate(target, DraftModelConfig(path=str(target.path), num_speculative_tokens=4),
+                           [[9, 8, 7]], SamplingParams(max_new_tokens=15))
+    c = llm.pipeline.run_counts()
+    assert (c.steps, c.proposed, c.accepted, c.bonus) == (3, 12, 12, 3)
+    assert (c.tau, c.alpha, c.per_position) == (5.0, 1.0, [1.0] * 4)
+
+
+def test_self_draft_accepts_everything_while_batch_mates_finish(target, generate) -> None:
+    # A self-drafting request must keep α = 1 however its batch-mates come and
+    # go. req-1 (7 new tokens, γ = 5) takes one full step (6 tokens), then a
+    # last step with γ = 0 while req-0 and req-2 still speculate; that step
+    # must not disturb their draft KV caches. (Two long requests, so the batch
+    # never shrinks to one request before they finish.)
+    ps = [list(range(1, 21)), list(range(30, 35)), list(range(40, 52))]
+    sps = [SamplingParams(max_new_tokens=30), SamplingParams(max_new_tokens=7), SamplingParams(max_new_tokens=30)]
+    ref, _ = generate(target, None, ps, sps, max_batch_size=4, max_seq_len=64, block_size=4)
+    out, llm = generate(target, DraftModelConfig(path=str(target.path), num_speculative_tokens=5), ps, sps,
+                        max_batch_size=4, max_seq_len=64, block_size=4)
+    assert out == ref  # exact regardless
+    c1 = llm.pipeline.counts["req-1"]
+    assert (c1.steps, c1.proposed, c1.accepted) == (2, 5, 5)
+    for rid in ("req-0", "req-2"):
+        c = llm.pipeline.counts[rid]
+        # 30 tokens, γ = min(5, left): 6+6+6+6+6 -> 5 steps, 25 proposed, all kept.
+        assert (c.steps, c.proposed, c.accepted) == (5, 25, 25), (rid, c.summary())
