@@ -1,0 +1,126 @@
+"""Loading prompts from JSONL.
+
+One JSON object per line. The text is taken from ``text_field``; when that
+value is a list (Spec-Bench's ``question.jsonl``: ``{"question_id": 81,
+"category": "writing", "turns": ["...", "..."]}``) element ``turn`` is taken;
+a list of ints is taken as token ids. ``"auto"`` fields try the usual names:
+
+- text: ``prompt``, ``text``, ``turns``, ``question``, ``instruction``, ``input``;
+- id: ``id``, ``question_id``, ``request_id``, else the line number;
+- source: ``source``, ``category`` (optional).
+
+Ids must be unique: results are keyed (and resumed) by them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+AUTO_TEXT = ("prompt", "text", "turns", "question", "instruction", "input")
+AUTO_ID = ("id", "question_id", "request_id")
+AUTO_SOURCE = ("source", "category")
+
+
+class PromptDataError(ValueError):
+    """A prompt file or line that cannot be used (names the file, line and field)."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str
+    text_field: str = "auto"
+    id_field: str = "auto"
+    source_field: str = "auto"
+    turn: int = 0
+    limit: int | None = None
+    max_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("data.path must name a JSONL file of prompts")
+        if self.turn < 0:
+            raise ValueError(f"data.turn must be >= 0, got {self.turn}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"data.limit must be >= 1 or null, got {self.limit}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"data.max_prompt_tokens must be >= 1 or null, got {self.max_prompt_tokens}")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    text: str | None  # None when the file gives token ids
+    token_ids: tuple[int, ...] | None = None
+    source: str | None = None
+
+
+def _pick(obj: dict[str, Any], field: str, auto: tuple[str, ...]) -> tuple[str | None, Any]:
+    if field != "auto":
+        return (field, obj[field]) if field in obj else (None, None)
+    for k in auto:
+        if k in obj:
+            return k, obj[k]
+    return None, None
+
+
+def _parse_line(obj: Any, cfg: DataConfig, where: str, lineno: int) -> Prompt:
+    if not isinstance(obj, dict):
+        raise PromptDataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    key, value = _pick(obj, cfg.text_field, AUTO_TEXT)
+    if key is None:
+        want = cfg.text_field if cfg.text_field != "auto" else " / ".join(AUTO_TEXT)
+        raise PromptDataError(f"{where}: no text field {want!r} (data.text_field); keys: {sorted(obj)}")
+    text: str | None = None
+    ids: tuple[int, ...] | None = None
+    if isinstance(value, str):
+        text = value
+    elif isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        ids = tuple(value)
+    elif isinstance(value, list):
+        if cfg.turn >= len(value):
+            raise PromptDataError(f"{where}: field {key!r} has {len(value)} turns, data.turn is {cfg.turn}")
+        if not isinstance(value[cfg.turn], str):
+            raise PromptDataError(f"{where}: {key}[{cfg.turn}] is not a string")
+        text = value[cfg.turn]
+    else:
+        raise PromptDataError(f"{where}: field {key!r} must be a string, a list of strings or token ids")
+    if text == "":
+        raise PromptDataError(f"{where}: empty prompt in field {key!r}")
+    id_key, rid = _pick(obj, cfg.id_field, AUTO_ID)
+    if id_key is None:
+        if cfg.id_field != "auto":
+            raise PromptDataError(f"{where}: no id field {cfg.id_field!r} (data.id_field)")
+        rid = f"line-{lineno}"
+    _, source = _pick(obj, cfg.source_field, AUTO_SOURCE)
+    return Prompt(id=str(rid), text=text, token_ids=ids, source=None if source is None else str(source))
+
+
+def load_prompts(cfg: DataConfig) -> list[Prompt]:
+    """The prompts of ``cfg.path`` in file order (the first ``cfg.limit`` when set)."""
+    path = Path(cfg.path)
+    if not path.is_file():
+        raise PromptDataError(f"data.path: prompt file {str(path)!r} does not exist")
+    prompts: list[Prompt] = []
+    seen: dict[str, int] = {}
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PromptDataError(f"{where}: invalid JSON: {e}") from None
+            p = _parse_line(obj, cfg, where, lineno)
+            if p.id in seen:
+                raise PromptDataError(f"{where}: duplicate prompt id {p.id!r} (first on line {seen[p.id]})")
+            seen[p.id] = lineno
+            prompts.append(p)
+            if cfg.limit is not None and len(prompts) >= cfg.limit:
+                break
+    if not prompts:
+        raise PromptDataError(f"data.path: {path} holds no prompts")
+    return prompts

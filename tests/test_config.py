@@ -1,0 +1,151 @@
+"""The real Hydra config (conf/run.yaml) composes, and every group option becomes typed configs.
+
+Misspelt keys and bad values fail naming the key; run dirs never collide.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from specdec.conf_schema import ZOO_DIR, RunConfig, build_components, config_dir, to_run_config
+from specdec.core.context import SamplingParams
+from specdec.core.pipeline_model import RuntimeConfig
+from specdec.data import DataConfig
+from specdec.engine import EngineConfig
+from specdec.experiment import build_logger
+from specdec.logging import NullLogger, WandbLogger
+from specdec.spec.proposers.draft_model import DraftModelConfig
+from specdec.spec.proposers.ngram import NgramConfig
+
+CONF = config_dir()
+GROUPS = ("target", "draft", "method", "sampling", "data", "runtime", "logger", "experiment")
+# Options that need a value the config cannot know (a user's file).
+NEEDS = {("data", "jsonl"): ["data.path=/tmp/prompts.jsonl"], ("data", "spec_bench"): ["data.path=/tmp/q.jsonl"]}
+
+
+def _compose(overrides: list[str] = (), hydra: bool = False):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("run", overrides=list(overrides), return_hydra_config=hydra)
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def _error_text(e: BaseException) -> str:
+    parts = []
+    while e is not None:
+        parts.append(str(e))
+        e = e.__cause__ or e.__context__
+    return " | ".join(parts)
+
+
+def test_conf_dir_is_the_repo_conf():
+    assert (CONF / "run.yaml").is_file()
+    assert all((CONF / g).is_dir() for g in GROUPS)
+
+
+def test_default_run_compares_both_methods_on_the_builtin_pair():
+    rc = to_run_config(_compose())
+    assert isinstance(rc, RunConfig)
+    comps = build_components(rc)
+    assert Path(comps.target) == ZOO_DIR / "code-target"
+    assert list(comps.methods) == ["draft_model", "ngram"]
+    dm, ng = comps.methods["draft_model"], comps.methods["ngram"]
+    assert isinstance(dm, DraftModelConfig) and Path(dm.path) == ZOO_DIR / "code-draft"
+    assert isinstance(ng, NgramConfig) and dm.num_speculative_tokens == ng.num_speculative_tokens == 4
+    assert comps.sampling.greedy and comps.engine.max_batch_size == 1 == comps.runtime.max_batch_size
+    assert Path(comps.data.path) == ZOO_DIR / "prompts.jsonl"
+    assert rc.logger.name == "wandb" and rc.logger.mode.value == "offline"
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
+def test_every_group_option_builds_typed_components(group, option):
+    cfg = _compose([f"{group}={option}", *NEEDS.get((group, option), [])])
+    rc = to_run_config(cfg)
+    comps = build_components(rc)
+    assert isinstance(comps.sampling, SamplingParams)
+    assert isinstance(comps.runtime, RuntimeConfig)
+    assert isinstance(comps.engine, EngineConfig)
+    assert isinstance(comps.data, DataConfig)
+    for name, m in comps.methods.items():
+        assert isinstance(m, (DraftModelConfig, NgramConfig)) and m.name == name
+    logger = build_logger(rc.logger)
+    assert isinstance(logger, WandbLogger if rc.logger.name == "wandb" else NullLogger)
+    if group == "method":
+        assert list(comps.methods) == ([] if option == "none" else [option])
+
+
+def test_method_selection_and_per_method_gamma():
+    comps = build_components(to_run_config(_compose(
+        ["method=[draft_model,ngram]", "method.num_speculative_tokens=2", "method.ngram.num_speculative_tokens=5",
+         "method.ngram.max_n=4", "draft.path=/ckpt/draft"])))
+    assert comps.methods["draft_model"].num_speculative_tokens == 2
+    assert comps.methods["draft_model"].path == "/ckpt/draft"
+    assert comps.methods["ngram"].num_speculative_tokens == 5 and comps.methods["ngram"].max_n == 4
+    comps = build_components(to_run_config(_compose(["method=draft_model", "method.draft_model.path=/x"])))
+    assert list(comps.methods) == ["draft_model"] and comps.methods["draft_model"].path == "/x"
+
+
+def test_experiment_presets_state_only_what_changes():
+    quick = to_run_config(_compose(["experiment=quick"]))
+    assert (quick.name, quick.data.limit, quick.sampling.max_new_tokens, quick.logger.name) == ("quick", 4, 16, "none")
+    assert quick.method.num_speculative_tokens == 4  # untouched
+    sweep = _compose(["experiment=gamma_sweep"], hydra=True)
+    assert str(sweep.hydra.mode) == "RunMode.MULTIRUN"
+    assert sweep.hydra.sweeper.params["method.num_speculative_tokens"] == "1,2,4,8"
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("method.num_speculativ_tokens=3", "method.num_speculativ_tokens"),
+        ("sampling.temprature=0.5", "sampling.temprature"),
+        ("method.ngram.max_nn=2", "method.ngram.max_nn"),
+        ("sampling.temperature=hot", "sampling.temperature"),
+        ("runtime.max_seq_len=long", "runtime.max_seq_len"),
+        ("logger.mode=sometimes", "logger.mode"),
+        ("batch_size=1.5", "batch_size"),
+    ],
+)
+def test_misspelt_key_or_wrong_type_fails_at_compose_naming_the_key(override, key):
+    with pytest.raises(ConfigCompositionException) as e:
+        _compose([override])
+    assert key in _error_text(e.value)
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("sampling.temperature=-1", "sampling.temperature"),
+        ("sampling.top_p=0", "sampling.top_p"),
+        ("sampling.max_new_tokens=0", "sampling.max_new_tokens"),
+        ("method.num_speculative_tokens=100", "method.num_speculative_tokens"),
+        ("method.ngram.min_n=0", "method.ngram.min_n"),
+        ("runtime.max_seq_len=0", "runtime.max_seq_len"),
+        ("runtime.dtype=float8", "runtime.dtype"),
+        ("batch_size=4", "batch_size"),  # > runtime.max_batch_size given explicitly below
+        ("data.limit=0", "data.limit"),
+        ("logger.name=tensorboard", "logger.name"),
+    ],
+)
+def test_bad_value_fails_at_start_naming_the_key(override, key):
+    extra = ["runtime.max_batch_size=2"] if override.startswith("batch_size") else []
+    cfg = _compose([override, *extra])
+    with pytest.raises(ValueError) as e:
+        to_run_config(cfg)
+    assert key in str(e.value)
+
+
+def test_run_dirs_never_collide_and_resume_dir_is_reused():
+    a = _compose([], hydra=True).hydra
+    b = _compose([], hydra=True).hydra
+    assert a.run.dir != b.run.dir and a.run.dir.startswith("outputs/default/")
+    assert OmegaConf.to_container(a.sweep)["subdir"] == "${hydra.job.num}"
+    assert _compose(["resume_dir=/runs/old"], hydra=True).hydra.run.dir == "/runs/old"
+    assert _compose(["name=abc"], hydra=True).hydra.sweep.dir.startswith("outputs/abc/multirun/")
