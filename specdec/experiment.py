@@ -321,6 +321,22 @@ class Runner:
             out[rid] = e
         return out, wall
 
+    def forward_times(self, ctx_len: int) -> dict[str, dict[str, float]]:
+        """Bare forward times per method, for the analytic limit (seconds, medians)."""
+        from specdec.spec.forward_time import forward_time
+
+        t1 = forward_time(self.plain.pipeline.target, 1, ctx_len)
+        out = {}
+        for name, g in self.gammas.items():
+            pipe = self.llms[name].pipeline
+            draft_pm = getattr(pipe.proposer, "pipeline", None)
+            out[name] = {
+                "t_target_1": t1,
+                "t_target_g1": forward_time(pipe.target, g + 1, ctx_len),
+                "t_draft_1": forward_time(draft_pm, 1, ctx_len) if draft_pm is not None else 0.0,
+            }
+        return out
+
     def warmup(self, reqs: Sequence[Request], n: int, tokens: int) -> None:
         if not n or not reqs:
             return
@@ -388,8 +404,20 @@ def _throughput(entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {"requests": len(entries), "tokens": tokens, "time_s": t, "tokens_per_s": tokens / t if t > 0 else None}
 
 
-def summarize(records: Sequence[Mapping[str, Any]], *, gammas: Mapping[str, int], greedy: bool) -> dict[str, Any]:
-    """Run figures over ``records`` (results.jsonl lines): plain and per method."""
+def summarize(
+    records: Sequence[Mapping[str, Any]],
+    *,
+    gammas: Mapping[str, int],
+    greedy: bool,
+    forward_times: Mapping[str, Mapping[str, float]] | None = None,
+) -> dict[str, Any]:
+    """Run figures over ``records`` (results.jsonl lines): plain and per method.
+
+    With ``forward_times`` (per method: t_target_1, t_target_g1, t_draft_1)
+    each method also gets its analytic limit and efficiency = speedup / limit.
+    """
+    from specdec.spec.metrics import analytic_limit
+
     ok = [r for r in records if not r[PLAIN].get("error")]
     out: dict[str, Any] = {"plain": _throughput([r[PLAIN] for r in ok]), "methods": {}}
     for name, gamma in gammas.items():
@@ -420,6 +448,12 @@ def summarize(records: Sequence[Mapping[str, Any]], *, gammas: Mapping[str, int]
             "target_time_s": sum(e.get("target_time_s") or 0.0 for e in ents),
             "errors": len(records) - len(both),
         }
+        ft = (forward_times or {}).get(name)
+        m = out["methods"][name]
+        if ft and m["speedup"] and counts.steps:
+            m["analytic_limit"] = analytic_limit(tau=counts.tau, gamma=gamma, **ft)
+            m["efficiency"] = m["speedup"] / m["analytic_limit"] if m["analytic_limit"] else None
+            m["forward_times_s"] = dict(ft)
     eqs = [m["outputs_equal"] for m in out["methods"].values()]
     out["outputs_equal"] = all(eqs) if greedy and eqs else None
     out["errors"] = len(records) - len(ok)
@@ -535,7 +569,10 @@ def run_experiment(cfg: DictConfig | RunConfig, *, run_dir: str | Path | None = 
         done = sum(1 for p in prompts if p.id in store.records)
         return {**meta, "num_requests": len(recs), "complete": done == len(prompts),
                 "updated_at": datetime.now().isoformat(timespec="seconds"),
-                **summarize(recs, gammas=gammas, greedy=comps.sampling.greedy)}
+                **summarize(recs, gammas=gammas, greedy=comps.sampling.greedy, forward_times=timings or None)}
+
+    timings_file = rdir / "forward_times.json"
+    timings: dict[str, Any] = json.loads(timings_file.read_text()) if timings_file.is_file() else {}
 
     try:
         if pending:
@@ -553,6 +590,10 @@ def run_experiment(cfg: DictConfig | RunConfig, *, run_dir: str | Path | None = 
                         logger.log_request(request_metrics(rec), step=len(store.records))
                         bar.update(1)
                     _write_json(rdir / SUMMARY_FILE, current_summary())
+            if comps.methods and not timings:  # bare forward times for the analytic limit
+                ctx_len = int(sum(len(r.ids) for r in reqs) / len(reqs)) + comps.sampling.max_new_tokens // 2
+                timings.update(runner.forward_times(ctx_len))
+                _write_json(timings_file, timings)
     except BaseException as e:  # interrupted or failed: what is saved stays valid; say how to go on
         _write_json(rdir / SUMMARY_FILE, current_summary())
         what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"failed ({type(e).__name__})"

@@ -40,6 +40,8 @@ SUMMARY_COLUMNS = (
     ("speedup", "speedup", ".2f"),
     ("tau", "τ", ".2f"),
     ("alpha", "α", ".3f"),
+    ("analytic_limit", "limit", ".2f"),
+    ("efficiency", "efficiency", ".2f"),
     ("outputs_equal", "equal", ""),
 )
 
