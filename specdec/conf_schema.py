@@ -117,10 +117,10 @@ class DraftModelMethod:
         if not self.path:
             raise ValueError("method.draft_model.path (the draft checkpoint directory) is required")
 
-    def to_component(self, gamma: int) -> Any:
+    def to_component(self, gamma: int, adaptive: bool) -> Any:
         from specdec.spec.proposers.draft_model import DraftModelConfig
 
-        return DraftModelConfig(path=self.path, num_speculative_tokens=gamma)
+        return DraftModelConfig(path=self.path, num_speculative_tokens=gamma, adaptive_gamma=adaptive)
 
 
 @dataclass
@@ -137,10 +137,10 @@ class NgramMethod:
                 f"method.ngram.min_n / method.ngram.max_n need 1 <= min_n <= max_n, got {self.min_n}, {self.max_n}"
             )
 
-    def to_component(self, gamma: int) -> Any:
+    def to_component(self, gamma: int, adaptive: bool) -> Any:
         from specdec.spec.proposers.ngram import NgramConfig
 
-        return NgramConfig(num_speculative_tokens=gamma, max_n=self.max_n, min_n=self.min_n)
+        return NgramConfig(num_speculative_tokens=gamma, max_n=self.max_n, min_n=self.min_n, adaptive_gamma=adaptive)
 
 
 # name -> schema of that method's options. A new proposer adds a field to
@@ -159,6 +159,9 @@ class MethodSchema:
     """
 
     num_speculative_tokens: int = 4
+    # true: each step drafts the γ <= num_speculative_tokens that pays best
+    # (0 where speculation cannot pay: big batches, low acceptance); spec/gamma.py
+    adaptive_gamma: bool = False
     draft_model: Optional[DraftModelMethod] = None
     ngram: Optional[NgramMethod] = None
 
@@ -185,7 +188,7 @@ class MethodSchema:
 
     def components(self) -> dict[str, Any]:
         """name -> the proposer's own config (``DraftModelConfig``, ``NgramConfig`` …)."""
-        return {n: m.to_component(self.gamma(n)) for n, m in self.selected().items()}
+        return {n: m.to_component(self.gamma(n), self.adaptive_gamma) for n, m in self.selected().items()}
 
 
 @dataclass
