@@ -170,11 +170,17 @@ class Engine:
             except OutOfBlocks:
                 victim = max(self.running, key=lambda c: c.arrival)
                 if len(self.running) == 1:
-                    raise RuntimeError(
+                    # Alone and still too big: this request can never run. Reject
+                    # it (the rest of the queue goes on) rather than fail the run.
+                    self.pipeline.free(victim)
+                    self.running.remove(victim)
+                    victim.reject(
                         f"request {victim.request_id!r} alone needs more KV blocks than the cache has; "
-                        "raise num_blocks or lower max_seq_len"
-                    ) from None
-                self._preempt(victim)
+                        "raise runtime.num_blocks or lower max_seq_len"
+                    )
+                    self.finished.append(victim)
+                else:
+                    self._preempt(victim)
                 keep = [(c, n) for c, n in zip(batch, num_new) if c is not victim]
                 batch, num_new = [c for c, _ in keep], [n for _, n in keep]
 

@@ -415,3 +415,19 @@ def test_data_parallel_with_preemption(ckpt, reference_outputs):
     ctxs, engine = _run(pm, prompts, params, max_batch_size=8, num_replicas=2, max_tokens_per_step=40)
     assert engine.stats.preemptions > 0
     assert _outputs(ctxs) == reference_outputs
+
+
+def test_request_too_big_for_the_whole_cache_is_rejected_alone(ckpt):
+    """A request that cannot fit even with the cache to itself is rejected by id;
+    the requests around it still complete."""
+    path, _ = ckpt
+    # 4 blocks of 4 tokens = 16 slots; a 30-token prompt can never fit.
+    pm = registered_pipeline_model(path, RuntimeConfig(max_batch_size=4, max_seq_len=64, block_size=4, num_blocks=4))
+    engine = _engine(pm, max_batch_size=4)
+    small = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True), "small")
+    big = engine.add_request(list(range(1, 31)), SamplingParams(max_new_tokens=4, ignore_eos=True), "big")
+    engine.run()
+    assert small.finish_reason == "length" and small.num_generated == 4
+    assert big.status is Status.REJECTED
+    assert "'big'" in big.error and "KV blocks" in big.error
+    assert pm.caches[0].allocator.num_free == 4  # nothing leaked
