@@ -291,9 +291,9 @@ class SpecDecodePipelineModel:
         accepted = out.num_accepted.tolist()
         nd = num_draft.tolist()
         new: list[list[int]] = []
-        for c, toks, k, n, ln in zip(batch, tokens, accepted, nd, lens):
+        for c, toks, k, n, ln, g in zip(batch, tokens, accepted, nd, lens, gammas):
             self.counts.setdefault(c.request_id, SpecCounts()).record(n, k)
-            self._offered[c.request_id] = self._offered.get(c.request_id, 0) + gamma
+            self._offered[c.request_id] = self._offered.get(c.request_id, 0) + g
             # Target keeps the committed tokens but the last (it is fed next step).
             self.target.truncate(c, ln + k)
             self.proposer.commit(c, ln + k + 1)
