@@ -24,7 +24,7 @@ from specdec.core.inputs import (
     InputSpec,
     ModelOutputs,
 )
-from specdec.core.kv_cache import KVCacheParams, PagedKVCache
+from specdec.core.kv_cache import KVCacheParams, PagedKVCache, block_table_array
 from specdec.core.state_store import RequestStateStore
 
 
@@ -236,12 +236,7 @@ def _pack(
     req = np.repeat(np.arange(b), ln)  # [T] request of each row
     local = np.arange(t) - offset[req]  # [T] index within the request's new tokens
     positions = start[req] + local  # [T]
-    if b == 1:
-        tbl = np.asarray(tables, dtype=np.int64)  # [1, blocks]
-    else:
-        tbl = np.zeros((b, max(len(x) for x in tables)), dtype=np.int64)
-        for i, blocks in enumerate(tables):
-            tbl[i, : len(blocks)] = blocks
+    tbl = block_table_array(tables)  # [B, max_blocks]
     slot_mapping = tbl[req, positions // bs] * bs + positions % bs  # [T]
     ctx_len = start + ln  # [B]
     p = np.arange(int(ctx_len.max()))

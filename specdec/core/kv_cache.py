@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specdec.core.inputs import KVCacheTensors
@@ -133,3 +134,13 @@ class PagedKVCache:
         """Slot ids of token positions ``start:end`` (blocks must be reserved)."""
         bs = self.block_size
         return [table.blocks[i // bs] * bs + i % bs for i in range(start, end)]
+
+
+def block_table_array(tables: list[list[int]]) -> np.ndarray:
+    """The requests' block lists as one zero-padded ``[B, max_blocks]`` int64 array."""
+    if len(tables) == 1:
+        return np.asarray(tables, dtype=np.int64)
+    out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
+    for i, blocks in enumerate(tables):
+        out[i, : len(blocks)] = blocks
+    return out

@@ -18,6 +18,7 @@ import torch
 
 from specdec.core.context import TextContext
 from specdec.core.inputs import DecoderInputs
+from specdec.core.kv_cache import block_table_array
 from specdec.core.pipeline_model import DecoderPipelineModel, registered_pipeline_model
 from specdec.sampling import LANE_DRAFT, SamplingTensors, probs_from_logits, sample_from
 from specdec.spec.forward_time import forward_time
@@ -131,10 +132,7 @@ class DraftModelProposer(Proposer):
         steps = max(gamma - 1, 0)
         # Positions and KV slots of the γ-1 one-token steps, on the host (numpy).
         lens = np.asarray([len(c.tokens) for c in batch], dtype=np.int64)  # [B] first draft position
-        tables = [c.kv[self.cache_name].blocks for c in batch]
-        tbl = np.zeros((len(batch), max(len(t) for t in tables)), dtype=np.int64)
-        for i, t in enumerate(tables):
-            tbl[i, : len(t)] = t
+        tbl = block_table_array([c.kv[self.cache_name].blocks for c in batch])  # [B, max_blocks]
         pos = lens[None, :] + np.arange(steps)[:, None]  # [γ-1, B]
         slots = np.take_along_axis(tbl, (pos // bs).T, axis=1).T * bs + pos % bs  # [γ-1, B]
         p = np.arange(int(lens.max()) + steps)
