@@ -44,11 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--target-steps", type=int, default=1000)
-    ap.add_argument("--draft-steps", type=int, default=800)
+    ap.add_argument("--target-steps", type=int, default=450)
+    ap.add_argument("--draft-steps", type=int, default=300)
     ap.add_argument("--target-lr", type=float, default=2e-3)
     ap.add_argument("--draft-lr", type=float, default=2e-3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2,
+                    help="torch threads (use 1 when other jobs share the CPU: far less contention)")
     ap.add_argument("--n-prompts", type=int, default=32)
     args = ap.parse_args(argv)
     if args.quick:
@@ -130,15 +131,21 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t_all
 
     # --- README and MANIFEST ----------------------------------------------------------
+    command = "python experiments/train_zoo.py --out specdec/zoo"
+    command += "" if args.seed == 1234 else f" --seed {args.seed}"
+    command += "" if args.threads == 2 else f" --threads {args.threads}"
+    command += " --quick" if args.quick else ""
     (out / "README.md").write_text(README.format(
-        t_loss=t_loss, d_loss=d_loss, agree=agree, tau=spec["tau"], seed=args.seed,
+        t_loss=t_loss, d_loss=d_loss, agree=agree, tau=spec["tau"], seed=args.seed, threads=args.threads,
+        command=command, t_layers=TARGET.num_hidden_layers, d_layers=DRAFT.num_hidden_layers,
+        t_hidden=TARGET.hidden_size, d_hidden=DRAFT.hidden_size,
         n_train=len(train_files), n_held=len(held_files),
     ))
     shipped = sorted(p for p in out.rglob("*") if p.is_file() and p.name != "MANIFEST.json")
     manifest = {
         "description": "Built-in code LM pair for specdec: a 6-layer target and a 2-layer draft "
                        "distilled from it, trained on the Python standard library.",
-        "command": "python experiments/train_zoo.py --out specdec/zoo" + ("" if args.seed == 1234 else f" --seed {args.seed}"),
+        "command": command,
         "quick": args.quick,
         "seed": args.seed,
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
@@ -198,8 +205,8 @@ prefixes from them (signature + docstring start, 100-300 tokens).
 
 | model | layers | hidden | held-out loss (nats/token) |
 |---|---|---|---|
-| `code-target` | 6 | 256 | {t_loss:.3f} |
-| `code-draft` | 2 | 256 | {d_loss:.3f} |
+| `code-target` | {t_layers} | {t_hidden} | {t_loss:.3f} |
+| `code-draft` | {d_layers} | {d_hidden} | {d_loss:.3f} |
 
 The draft is distilled from the target (KL to its full next-token distribution).
 Greedy draft/target agreement on held-out text: {agree:.1%}; simulated mean accepted
@@ -209,9 +216,10 @@ prompts: τ = {tau:.2f}.
 Both directories are Hugging Face Llama checkpoints (`config.json`, bf16
 `model.safetensors` with tied embeddings, the shared `tokenizer.json`, EOS/BOS
 `<|endoftext|>` = id 0). Load with `specdec.core.checkpoint.load_decoder`.
-Reproduce (seed {seed}, 2 threads):
+Reproduce (seed {seed}, {threads} thread(s); results are deterministic for a given
+seed and thread count):
 
-    python experiments/train_zoo.py --out specdec/zoo
+    {command}
 
 `MANIFEST.json` records the full recipe, corpus counts, metrics and file hashes.
 """
