@@ -26,10 +26,11 @@ from specdec.train import corpus, lm
 from specdec.train.export import round_to_bf16_, save_hf
 from specdec.train.tokenizer import EOS_TOKEN, encode_documents, train_tokenizer
 
-TARGET = lm.ModelSpec(num_hidden_layers=6, hidden_size=256, intermediate_size=768,
-                      num_attention_heads=4, num_key_value_heads=4)
-DRAFT = lm.ModelSpec(num_hidden_layers=2, hidden_size=256, intermediate_size=768,
-                     num_attention_heads=4, num_key_value_heads=4)
+def model_spec(layers: int) -> lm.ModelSpec:
+    """Both models share width and heads; they differ in depth (the draft is cheap
+    because it is shallow: at batch 1 on a CPU each layer costs about the same)."""
+    return lm.ModelSpec(num_hidden_layers=layers, hidden_size=256, intermediate_size=768,
+                        num_attention_heads=4, num_key_value_heads=4)
 
 
 def sha256(path: Path) -> str:
@@ -44,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--target-steps", type=int, default=450)
+    ap.add_argument("--target-layers", type=int, default=10)
+    ap.add_argument("--draft-layers", type=int, default=2)
+    ap.add_argument("--target-steps", type=int, default=600)
     ap.add_argument("--draft-steps", type=int, default=300)
     ap.add_argument("--target-lr", type=float, default=2e-3)
     ap.add_argument("--draft-lr", type=float, default=2e-3)
@@ -82,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     windows = lm.eval_windows(held_ids, args.seq_len, max_windows=16 if args.quick else 256)
 
     # --- target -------------------------------------------------------------------
+    TARGET, DRAFT = model_spec(args.target_layers), model_spec(args.draft_layers)
     tcfg = TARGET.config(vocab, eos, eos)
     target = lm.build_model(tcfg, args.seed)
     t_train = lm.TrainConfig(steps=args.target_steps, batch_size=args.batch_size, seq_len=args.seq_len,
@@ -97,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     dcfg = DRAFT.config(vocab, eos, eos)
     draft = lm.build_model(dcfg, args.seed + 1)
     # start from the target's embedding, final norm, first and last layer
-    draft_init_layers = [0, TARGET.num_hidden_layers - 1]
+    t, d = TARGET.num_hidden_layers, DRAFT.num_hidden_layers
+    draft_init_layers = [round(i * (t - 1) / (d - 1)) for i in range(d)] if d > 1 else [0]
     lm.init_from_teacher(draft, target, draft_init_layers)
     d_train = lm.TrainConfig(steps=args.draft_steps, batch_size=args.batch_size, seq_len=args.seq_len,
                              lr=args.draft_lr, warmup_steps=min(100, args.draft_steps // 10 + 1),
@@ -134,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     command = "python experiments/train_zoo.py --out specdec/zoo"
     command += "" if args.seed == 1234 else f" --seed {args.seed}"
     command += "" if args.threads == 2 else f" --threads {args.threads}"
+    command += "" if args.target_layers == 10 else f" --target-layers {args.target_layers}"
+    command += "" if args.draft_layers == 2 else f" --draft-layers {args.draft_layers}"
     command += " --quick" if args.quick else ""
     (out / "README.md").write_text(README.format(
         t_loss=t_loss, d_loss=d_loss, agree=agree, tau=spec["tau"], seed=args.seed, threads=args.threads,
