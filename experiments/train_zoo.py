@@ -223,8 +223,8 @@ prompts: τ = {tau:.2f}.
 Both directories are Hugging Face Llama checkpoints (`config.json`, bf16
 `model.safetensors` with tied embeddings, the shared `tokenizer.json`, EOS/BOS
 `<|endoftext|>` = id 0). Load with `specdec.core.checkpoint.load_decoder`.
-Reproduce (seed {seed}, {threads} thread(s); results are deterministic for a given
-seed and thread count):
+Reproduce (seed {seed}, {threads} thread(s); every random choice comes from the seed,
+but a rerun has not been compared file for file, and the thread count changes float sums):
 
     {command}
 
