@@ -50,6 +50,7 @@ class DraftModelBatch(DraftBatch):
     step_positions: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [γ-1, B] int64
     step_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [γ-1, B] int64
     gather_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [B, S] through the last draft
+    max_len: int = 0  # host: the longest request's length before drafting (S = max_len + γ - 1)
 
 
 class DraftModelDrafter(Drafter):
@@ -78,16 +79,20 @@ class DraftModelDrafter(Drafter):
                 probs.append(p)
             toks.append(t)
             if j + 1 < batch.gamma:
+                # Keys through this step's position only: for one request that is
+                # exactly its context (no mask needed); a batch masks the rest.
+                n_keys = batch.max_len + j + 1
                 step = DecoderInputs(
                     tokens=t,
                     positions=batch.step_positions[j],
                     slot_mapping=batch.step_slots[j],
-                    gather_slots=batch.gather_slots,
+                    gather_slots=batch.gather_slots[:, :n_keys],
                     q_index=rows.unsqueeze(1),
                     q_pos=batch.step_positions[j].unsqueeze(1),
                     out_index=rows,
                     logit_index=rows,
                     kv_cache=kv,
+                    gather_is_exact=b == 1,
                 )
                 logits = self.decoder(step).logits
         return DraftOutput(
@@ -147,6 +152,7 @@ class DraftModelProposer(Proposer):
             step_positions=torch.from_numpy(pos),
             step_slots=torch.from_numpy(slots),
             gather_slots=torch.from_numpy(gather),
+            max_len=int(lens.max()),
         )
 
     def draft_cost(self, batch_size: int, context_len: int) -> float:
