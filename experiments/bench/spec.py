@@ -71,7 +71,7 @@ def main(argv: list[str]) -> None:
     cfg = parse_overrides(SpecBenchConfig, argv)
     torch.set_num_threads(cfg.threads)
     if cfg.quick:
-        cfg.repeats, cfg.num_prompts, cfg.new_tokens, cfg.gammas = 1, 4, 48, [1, 2, 4, 8]
+        cfg.repeats, cfg.num_prompts, cfg.new_tokens, cfg.gammas = 2, 4, 64, [1, 2, 4, 8]
     pair = builtin_pair()
     if cfg.target == "builtin" and pair is not None:
         target, draft = pair
