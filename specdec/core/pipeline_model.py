@@ -133,11 +133,14 @@ def registered_pipeline_model(
     cache_name: str = "target",
     role: Role = Role.DECODER,
     extra_tokens: int = 0,
+    processor_cls: type = DecoderBatchProcessor,
 ) -> DecoderPipelineModel:
     """Loads a registered decoder and wraps it for batching and execution.
 
     ``extra_tokens``: per-sequence slack the KV cache must hold beyond
-    ``max_seq_len`` (draft lookahead).
+    ``max_seq_len`` (draft lookahead). ``processor_cls`` batches for the
+    decoder; a decoder that declares a state store needs a
+    :class:`DecoderBatchProcessor` (it feeds the state), else this raises.
     """
     dtype = getattr(torch, runtime.dtype) if runtime.dtype else None
     loaded = checkpoint if isinstance(checkpoint, LoadedDecoder) else load_decoder(
@@ -170,13 +173,16 @@ def registered_pipeline_model(
         device=runtime.device,
     )
     specs = module_cls.state_store(config, max_batch_size=runtime.max_batch_size, devices=[torch.device(runtime.device)])
+    if specs and not issubclass(processor_cls, DecoderBatchProcessor):
+        raise TypeError(
+            f"{module_cls.__name__} declares a state store, so it must be served by a DecoderBatchProcessor "
+            f"(which feeds the state); got {processor_cls.__name__}"
+        )
     store = None
     if specs:
         store = RequestStateStore(specs, max_batch_size=runtime.max_batch_size, device=runtime.device)
-    processor = DecoderBatchProcessor(config, rt)
+    processor = processor_cls(config, rt)
     processor.scratch = DecoderScratch.allocate(runtime.max_batch_size * (runtime.max_seq_len + extra_tokens), runtime.device)
-    if store is not None and not isinstance(processor, DecoderBatchProcessor):
-        raise TypeError(f"{module_cls.__name__} declares a state store; it must be served by a DecoderBatchProcessor")
     return DecoderPipelineModel(modules, config, processor, store, path=loaded.path)
 
 
