@@ -14,7 +14,7 @@ Worked example (block size 4, two requests)::
     positions     = [3, 0, 1]                        # [T]
     slot_mapping  = [a's slot 3, b's slot 0, b's slot 1]
     gather_slots  = [[a0, a1, a2, a3],               # [B=2, S=4]
-                     [b0, b1, 0,  0 ]]               # padding reads slot 0
+                     [b0, b1, b2, b3]]               # padding: b's block, masked
     q_index       = [[0, 0], [1, 2]]                 # [B, Q=2] packed row of each query
     q_pos         = [[3, 0], [0, 1]]                 # [B, Q] its position (pad: 0)
     out_index     = [0, 2, 3]                        # [T] row in the flat [B*Q] output

@@ -147,8 +147,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.qkv_weight: torch.Tensor | None = None  # set by fuse(): [q; k; v] rows
-        self.qkv_bias: torch.Tensor | None = None
+        # Set by fuse(): [q; k; v] rows. Non-persistent buffers, so .to() moves them.
+        self.register_buffer("qkv_weight", None, persistent=False)
+        self.register_buffer("qkv_bias", None, persistent=False)
 
     def fuse(self) -> None:
         self.qkv_weight, self.qkv_bias = _fuse([self.q_proj, self.k_proj, self.v_proj])
@@ -176,8 +177,9 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
-        self.gate_up_weight: torch.Tensor | None = None  # set by fuse(): [gate; up] rows
-        self.gate_up_bias: torch.Tensor | None = None
+        # Set by fuse(): [gate; up] rows. Non-persistent buffers, so .to() moves them.
+        self.register_buffer("gate_up_weight", None, persistent=False)
+        self.register_buffer("gate_up_bias", None, persistent=False)
 
     def fuse(self) -> None:
         self.gate_up_weight, self.gate_up_bias = _fuse([self.gate_proj, self.up_proj])
