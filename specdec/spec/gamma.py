@@ -27,6 +27,10 @@ class GammaPolicyConfig:
     adaptive: bool = False
     prior_accept: float = 0.6
     prior_weight: float = 4.0
+    # Speculate only when the model predicts at least this much gain over plain
+    # decoding: the cost model leaves out host work (packing, lookups), so a
+    # predicted 2% gain is noise.
+    min_gain: float = 0.05
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.prior_accept < 1.0):
@@ -70,12 +74,15 @@ def choose_gamma(
     max_gamma: int,
     t_target: Callable[[int], float],
     t_draft: Callable[[int], float],
+    min_gain: float = 0.0,
 ) -> int:
-    """The γ in 0 … ``max_gamma`` with the most expected tokens per second."""
+    """The γ in 0 … ``max_gamma`` with the most expected tokens per second;
+    0 (plain decoding) unless the best γ beats it by ``min_gain``."""
     b = len(accept)
-    best, best_rate = 0, b / t_target(b)
+    plain = b / t_target(b)
+    best, best_rate = 0, plain
     for g in range(1, max_gamma + 1):
         rate = expected_tokens(accept, g) / (t_target(b * (g + 1)) + g * t_draft(b))
         if rate > best_rate:
             best, best_rate = g, rate
-    return best
+    return best if best_rate >= plain * (1 + min_gain) else 0

@@ -258,7 +258,7 @@ class SpecDecodePipelineModel:
             acc = counts.accepted if counts is not None else 0
             accept.append((acc + prior * w) / (self._offered.get(c.request_id, 0) + w))
         tt, td = self._cost_curves()
-        return choose_gamma(accept, max(gammas), tt, td)
+        return choose_gamma(accept, max(gammas), tt, td, pol.min_gain)
 
     def _spec_step(self, batch: list[TextContext]) -> list[list[int]]:
         gammas = [self.gamma_for(c) for c in batch]
