@@ -268,6 +268,11 @@ class SpecDecodePipelineModel:
         gamma = max(gammas)
         lens = [len(c.tokens) for c in batch]
         draft = self.proposer.prepare(batch, gamma, gammas) if gamma else None
+        if draft is not None and draft.gamma < gamma:
+            # The proposer found fewer drafts than asked (n-gram lookups that
+            # miss): verify only those, not γ placeholder rows.
+            gamma = draft.gamma
+            draft = draft if gamma else None
         num_draft = draft.num_draft if draft is not None else torch.zeros(len(batch), dtype=torch.long)
         packed = self.target.processor.prepare_initial_token_inputs(
             [batch], return_n_logits=gamma + 1, lookahead=gamma

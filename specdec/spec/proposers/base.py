@@ -66,7 +66,11 @@ class Proposer(ABC):
 
     @abstractmethod
     def prepare(self, batch: list[TextContext], gamma: int, num_draft: list[int]) -> DraftBatch:
-        """Packs this step's drafter inputs. ``num_draft[i] <= gamma`` per request."""
+        """Packs this step's drafter inputs. ``num_draft[i] <= gamma`` per request.
+
+        The returned batch's ``gamma`` may be smaller than asked (a model-free
+        proposer that found fewer tokens): the step then verifies only that many.
+        """
 
     def reserve(self, ctx: TextContext, gamma: int) -> None:
         """Makes room (KV blocks …) for drafting ``gamma`` tokens; may raise OutOfBlocks."""

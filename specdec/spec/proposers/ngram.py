@@ -84,13 +84,13 @@ class NgramProposer(Proposer):
 
     def prepare(self, batch: list[TextContext], gamma: int, num_draft: list[int]) -> NgramDraftBatch:
         cfg = self.config
-        rows = []
-        found = []
+        props = []
         for ctx, k in zip(batch, num_draft):
             idx = self._index.setdefault(ctx.request_id, _Index())
-            prop = lookup(ctx.tokens, idx, cfg.max_n, cfg.min_n, k) if k else []
-            found.append(len(prop))
-            rows.append(prop + [0] * (gamma - len(prop)))
+            props.append(lookup(ctx.tokens, idx, cfg.max_n, cfg.min_n, k) if k else [])
+        found = [len(p) for p in props]
+        gamma = max(found)  # the step verifies only as many rows as were found
+        rows = [p + [0] * (gamma - len(p)) for p in props]
         return NgramDraftBatch(
             gamma=gamma,
             num_draft=torch.tensor(found, dtype=torch.long),
