@@ -107,7 +107,7 @@ class SpecConfig:
             raise ValueError(f"method.num_speculative_tokens must be in [0, 64], got {self.num_speculative_tokens}")
 
 
-def spec_state_specs(gamma: int) -> list[StateSpec]:
+def spec_state_specs() -> list[StateSpec]:
     """The per-request state the draft and target processors share."""
     return [
         StateSpec("seed", torch.long),
@@ -140,7 +140,7 @@ class SpecDecodePipelineModel:
         self.max_batch_size = target.processor.runtime.max_batch_size  # one state slot each
         gmax = max(config.num_speculative_tokens, 1)
         self.state = RequestStateStore(
-            spec_state_specs(gmax),
+            spec_state_specs(),
             max_batch_size=target.processor.runtime.max_batch_size,
             dims={"max_draft": gmax},
         )
