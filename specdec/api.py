@@ -88,15 +88,15 @@ class LLM:
         params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
         ctxs: list[TextContext] = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
+            rid = f"req-{i}"
             try:
                 ids = self.encode(p) if isinstance(p, str) else list(p)
-            except ValueError as e:
-                ids, sp = [], sp
-                ctx = engine.add_request([], sp, request_id=f"req-{i}")
-                ctx.error = f"request 'req-{i}': {e}"
-                ctxs.append(ctx)
-                continue
-            ctxs.append(engine.add_request(ids, sp, request_id=f"req-{i}"))
+            except ValueError as e:  # text without a tokenizer: reject this request only
+                ctx = engine.add_request([], sp, request_id=rid)
+                ctx.error = f"request {rid!r}: {e}"
+            else:
+                ctx = engine.add_request(ids, sp, request_id=rid)
+            ctxs.append(ctx)
         engine.run()
         return [
             GenerationOutput(

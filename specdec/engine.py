@@ -130,7 +130,7 @@ class Engine:
 
     def _admit(self) -> None:
         # The pipeline's own bound (state slots, KV sizing) caps the engine's.
-        limit = min(self.config.max_batch_size, getattr(self.pipeline, "max_batch_size", self.config.max_batch_size))
+        limit = min(self.config.max_batch_size, self.pipeline.max_batch_size)
         while self.waiting and len(self.running) < limit:
             ctx = self.waiting.popleft()
             ctx.status = Status.RUNNING

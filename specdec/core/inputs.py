@@ -27,7 +27,7 @@ see key 0 only and are dropped by ``out_index``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,7 +56,7 @@ class DecoderInputs:
     tokens: torch.Tensor  # [T] int64, the new tokens of every request, packed
     positions: torch.Tensor  # [T] int64, absolute position of each new token
     slot_mapping: torch.Tensor  # [T] int64, KV slot each new token writes
-    gather_slots: torch.Tensor  # [B, S] int64, KV slots each request reads (pad 0)
+    gather_slots: torch.Tensor  # [B, S] int64, KV slots each request reads (padding masked)
     q_index: torch.Tensor  # [B, Q] int64, packed row of each padded query
     q_pos: torch.Tensor  # [B, Q] int64, position of each padded query (pad 0)
     out_index: torch.Tensor  # [T] int64, row of each token in the flat [B*Q] output
@@ -68,13 +68,6 @@ class DecoderInputs:
     gather_is_exact: bool = False
     # Where each data-parallel replica's requests start: [R + 1], host ints.
     data_parallel_splits: list[int] = field(default_factory=lambda: [0])
-
-    def to(self, device: torch.device | str) -> DecoderInputs:
-        out = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            out[f.name] = v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-        return DecoderInputs(**out)
 
 
 # The canonical inputs of a graph-API decoder, as symbolic specs.

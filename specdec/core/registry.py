@@ -83,10 +83,12 @@ class DecoderModule(nn.Module):
         as its own (``assign=True``): a target built from a loaded decoder
         shares its weights instead of copying them.
         """
-        config = context.config if hasattr(context, "config") else context["config"]
+        if isinstance(context, dict):  # a plain mapping works as well as a BuildContext
+            context = BuildContext(config=context["config"], state_dict=context.get("state_dict"))
+        config = context.config
         if not isinstance(config, config_cls):
             config = config_cls.from_dict(config)
-        state_dict = getattr(context, "state_dict", None)
+        state_dict = getattr(context, "state_dict", None)  # any object with .config works
         if state_dict is None:
             return cls(config)
         with torch.device("meta"):
