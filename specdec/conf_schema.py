@@ -277,6 +277,7 @@ class RuntimeSchema:
     dtype: Optional[str] = "float32"  # None: the checkpoint's dtype
     device: str = "cpu"
     threads: Optional[int] = None  # torch.set_num_threads; None: torch's default
+    compile: bool = False  # torch.compile the decoders (first calls compile; see docs)
 
     def __post_init__(self) -> None:
         self.to_component()
@@ -295,6 +296,7 @@ class RuntimeSchema:
             num_blocks=self.num_blocks,
             dtype=self.dtype,
             device=self.device,
+            compile=self.compile,
         )
 
 

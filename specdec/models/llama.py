@@ -83,7 +83,8 @@ class PagedAttend:
         if self.single and inputs.gather_is_exact and window is None and q in (1, s):
             # One request reads exactly its context: a lone query sees every
             # key, and a whole fresh sequence is plain causal. No mask needed.
-            self.causal = q == s and q > 1
+            # A branch, not ``bool(...)``: under torch.compile ``q == s`` is symbolic.
+            self.causal = True if (q == s and q > 1) else False
             return
         key_pos = torch.arange(s, device=inputs.q_pos.device)
         q_pos = inputs.q_pos.unsqueeze(-1)  # [B, Q, 1]
@@ -94,9 +95,17 @@ class PagedAttend:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         inp = self.inputs
+        if torch.compiler.is_compiling():
+            # Index the whole [layers, slots, …] input, not a layer's view:
+            # compiled, that stays one in-place scatter (a view's write was
+            # copied back wrongly, or as a copy of the whole cache).
+            li = torch.full_like(inp.slot_mapping, layer)
+            self.cache.k.index_put_((li, inp.slot_mapping), k)
+            self.cache.v.index_put_((li, inp.slot_mapping), v)
+        else:
+            self.cache.k[layer].index_copy_(0, inp.slot_mapping, k)
+            self.cache.v[layer].index_copy_(0, inp.slot_mapping, v)
         kc, vc = self.cache.k[layer], self.cache.v[layer]  # [slots, Hkv, D]
-        kc.index_copy_(0, inp.slot_mapping, k)
-        vc.index_copy_(0, inp.slot_mapping, v)
         b, n_keys = inp.gather_slots.shape
         flat = inp.gather_slots.reshape(-1)  # index_select: far faster than advanced indexing on CPU
         keys = kc.index_select(0, flat).view(b, n_keys, *kc.shape[1:]).transpose(1, 2)  # [B, Hkv, S, D]

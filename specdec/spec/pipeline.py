@@ -27,7 +27,7 @@ from torch import nn
 
 from specdec.core.context import TextContext
 from specdec.core.inputs import DecoderInputs
-from specdec.core.pipeline_model import DecoderPipelineModel
+from specdec.core.pipeline_model import DecoderPipelineModel, compile_decoder
 from specdec.core.registry import BuildContext
 from specdec.core.state_store import RequestStateStore, StateSpec
 from specdec.sampling import SamplingTensors, probs_from_logits
@@ -157,6 +157,8 @@ class SpecDecodePipelineModel:
             built.prepare_for_inference()
         if hasattr(built, "ensure_rope"):
             built.ensure_rope(target.processor.runtime.max_seq_len + 1)
+        if target.compiled:
+            compile_decoder(built)
         target.modules[0] = built  # one set of weights serves both paths
         self.module = DraftAndVerify(built, proposer.drafter)
         self.counts: dict[str, SpecCounts] = {}
