@@ -35,7 +35,7 @@ from specdec.core.inputs import DecoderOutputs, ModelOutputs
 from specdec.core.kv_cache import BlockTable, KVCacheParams, PagedKVCache
 from specdec.core.registry import Role
 from specdec.core.state_store import RequestStateStore
-from specdec.sampling import LANE_TARGET, probs_from_logits, sample_from, sampling_tensors
+from specdec.sampling import LANE_TARGET, greedy_tokens, probs_from_logits, sample_from, sampling_tensors
 
 
 @dataclass(frozen=True)
@@ -263,7 +263,7 @@ class PlainGeneration:
         logits = out.logits  # [B, V]
         st = sampling_tensors([c.sampling for c in order], [c.seed for c in order])
         if st.all_greedy:
-            toks = logits.argmax(-1)
+            toks = greedy_tokens(logits)
         else:
             probs = probs_from_logits(logits.unsqueeze(1), st).squeeze(1)
             pos = torch.tensor([len(c.tokens) for c in order], dtype=torch.long)

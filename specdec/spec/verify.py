@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.sampling import LANE_ACCEPT, LANE_RESIDUAL, LANE_TARGET, sample_from, uniform
+from specdec.sampling import LANE_ACCEPT, LANE_RESIDUAL, LANE_TARGET, greedy_tokens, sample_from, uniform
 
 
 def _finish(
@@ -61,10 +61,17 @@ def verify_greedy(
     target_logits: torch.Tensor,  # [B, γ+1, V]
     num_draft: torch.Tensor,  # [B] int64, each request's γ (<= the padded γ)
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy verification -> ``(output_tokens [B, γ+1] (-1 past the end), num_accepted [B])``."""
-    argmax = target_logits.argmax(dim=-1)  # [B, γ+1]
-    accept = draft_tokens == argmax[:, :-1]
-    return _finish(draft_tokens, accept, argmax, num_draft)
+    """Greedy verification -> ``(output_tokens [B, γ+1] (-1 past the end), num_accepted [B])``.
+
+    An accepted draft token *is* the target's argmax there, so the output is
+    the argmax row cut after the first mismatch: no gather or scatter needed.
+    """
+    argmax = greedy_tokens(target_logits)  # [B, γ+1]
+    b, g = draft_tokens.shape
+    ar = torch.arange(g + 1, device=argmax.device)
+    accept = (draft_tokens == argmax[:, :g]) & (ar[:g] < num_draft.unsqueeze(1))  # [B, γ]
+    num_accepted = accept.cumprod(dim=1).sum(dim=1)  # [B]
+    return argmax.masked_fill(ar > num_accepted.unsqueeze(1), -1), num_accepted
 
 
 def verify_sampled(

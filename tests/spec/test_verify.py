@@ -225,3 +225,14 @@ def test_sampled_draws_are_the_documented_counter_based_ones() -> None:
         assert rec in (0, 1)
         assert out.tolist() == [[rec, -1]]
     assert acc.tolist() == [int(accepted)]
+
+
+def test_greedy_tokens_is_argmax_with_ties_first() -> None:
+    from specdec.sampling import greedy_tokens
+
+    g = torch.Generator().manual_seed(0)
+    for n in (3, 4096):
+        x = torch.randint(0, 3, (64, n), generator=g).float()  # many ties
+        assert torch.equal(greedy_tokens(x), x.argmax(-1))
+        assert torch.equal(greedy_tokens(x.view(8, 8, n)), x.view(8, 8, n).argmax(-1))
+    assert greedy_tokens(torch.zeros(2, 5)).tolist() == [0, 0]

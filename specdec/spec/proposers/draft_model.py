@@ -20,7 +20,7 @@ from specdec.core.context import TextContext
 from specdec.core.inputs import DecoderInputs
 from specdec.core.kv_cache import block_table_array
 from specdec.core.pipeline_model import DecoderPipelineModel, registered_pipeline_model
-from specdec.sampling import LANE_DRAFT, SamplingTensors, probs_from_logits, sample_from
+from specdec.sampling import LANE_DRAFT, SamplingTensors, greedy_tokens, probs_from_logits, sample_from
 from specdec.spec.forward_time import forward_time
 from specdec.spec.proposers.base import (
     DraftBatch,
@@ -72,7 +72,7 @@ class DraftModelDrafter(Drafter):
         for j in range(batch.gamma):
             pos = batch.first_position + j  # [B] position the draft token will take
             if sampling.all_greedy:
-                t = logits.argmax(-1)
+                t = greedy_tokens(logits)
             else:
                 p = probs_from_logits(logits.unsqueeze(1), sampling).squeeze(1)  # [B, V]
                 t = sample_from(p, sampling.seeds, pos, LANE_DRAFT)
