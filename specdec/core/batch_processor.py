@@ -22,6 +22,7 @@ from specdec.core.inputs import (
     DecoderInputs,
     DecoderOutputs,
     InputSpec,
+    MaskKind,
     ModelOutputs,
 )
 from specdec.core.kv_cache import KVCacheParams, PagedKVCache, block_table_array
@@ -52,10 +53,14 @@ class DecoderScratch:
 
     arange: torch.Tensor  # [max_tokens] int64: 0, 1, 2, ...
 
+    # Made in inference mode, like every other input of a step: a compiled
+    # decoder guards on that, and a mix would compile each graph twice.
     @classmethod
+    @torch.inference_mode()
     def allocate(cls, max_tokens: int, device: torch.device | str = "cpu") -> DecoderScratch:
         return cls(arange=torch.arange(max_tokens, dtype=torch.long, device=device))
 
+    @torch.inference_mode()
     def ramp(self, n: int) -> torch.Tensor:
         if n > self.arange.shape[0]:
             self.arange = torch.arange(2 * n, dtype=torch.long, device=self.arange.device)
@@ -69,8 +74,8 @@ class PackedBatch:
     inputs: DecoderInputs
     contexts: list[TextContext]
     num_new: list[int]  # real tokens each request feeds (excluding lookahead)
-    lookahead: int  # placeholder positions after each request's real tokens
-    draft_index: torch.Tensor | None = None  # [B, lookahead] packed rows of the placeholders
+    lookahead: list[int]  # [B] placeholder positions after each request's real tokens
+    draft_index: torch.Tensor | None = None  # [B, max lookahead] packed rows of the placeholders (see _pack)
     return_n_logits: int = 1
 
 
@@ -146,16 +151,18 @@ class DecoderBatchProcessor:
         return_n_logits: int = 1,
         *,
         num_tokens: Sequence[int] | None = None,
-        lookahead: int = 0,
+        lookahead: int | Sequence[int] = 0,
     ) -> PackedBatch:
         """Packs the replicas' contexts into one ragged batch.
 
         Each context feeds its unprocessed tokens (``num_tokens[i]`` of them if
-        given: a prefill chunk), then ``lookahead`` placeholder positions whose
-        packed rows come back in ``draft_index`` (the speculative pipeline
-        writes draft tokens there). Logits come back for the last
-        ``return_n_logits`` rows of each request. KV blocks must be reserved;
-        the tables' lengths advance by the tokens fed.
+        given: a prefill chunk), then ``lookahead`` placeholder positions (one
+        count for all, or one per request) whose packed rows come back in
+        ``draft_index`` (the speculative pipeline writes draft tokens there).
+        Logits come back for ``return_n_logits`` rows of each request: its last
+        rows, or with lookahead, its last real row and the placeholders after
+        it. KV blocks must be reserved; the tables' lengths advance by the
+        tokens fed.
         """
         rt = self.runtime
         if len(replica_batches) != rt.data_parallel_degree:
@@ -165,6 +172,9 @@ class DecoderBatchProcessor:
         ctxs = [c for rb in replica_batches for c in rb]
         if not ctxs:
             raise ValueError("cannot pack an empty batch")
+        look = [lookahead] * len(ctxs) if isinstance(lookahead, int) else list(lookahead)
+        if len(look) != len(ctxs) or min(look) < 0:
+            raise ValueError(f"lookahead needs one count >= 0 per request, got {lookahead}")
         splits = [0]
         for rb in replica_batches:
             splits.append(splits[-1] + len(rb))
@@ -177,24 +187,24 @@ class DecoderBatchProcessor:
         for c, s, n in zip(ctxs, starts, num_new):
             if n < 0 or s + n > len(c.tokens):
                 raise ValueError(f"request {c.request_id!r}: cannot feed {n} tokens from position {s}")
-        lens = [n + lookahead for n in num_new]
-        if min(lens) < 1:
+        lens = [n + a for n, a in zip(num_new, look)]
+        if min(num_new) < 1 and max(look) > 0 or min(lens) < 1:
             raise ValueError("every request in a batch must feed at least one token")
         tokens_list: list[int] = []
-        for c, s, n in zip(ctxs, starts, num_new):
+        for c, s, n, a in zip(ctxs, starts, num_new, look):
             tokens_list.extend(c.tokens[s : s + n])
-            tokens_list.extend([0] * lookahead)
+            tokens_list.extend([0] * a)
         replica_of = [r for r, rb in enumerate(replica_batches) for _ in rb]
         bs = rt.kv_caches[0].block_size
         for c, s, ln, r in zip(ctxs, starts, lens, replica_of):
             rt.kv_caches[r].reserve(c.kv[name], s + ln)  # no-op when the scheduler reserved
         inputs, draft_index = _pack(
-            tokens_list, starts, lens, [c.kv[name].blocks for c in ctxs], bs, return_n_logits, lookahead
+            tokens_list, starts, lens, [c.kv[name].blocks for c in ctxs], bs, return_n_logits, look
         )
         for c, ln in zip(ctxs, lens):
             c.kv[name].num_tokens += ln
         inputs.data_parallel_splits = splits
-        return PackedBatch(inputs, ctxs, num_new, lookahead, draft_index, return_n_logits)
+        return PackedBatch(inputs, ctxs, num_new, look, draft_index, return_n_logits)
 
     def prepare_next_token_inputs(self, replica_batches: Sequence[Sequence[TextContext]]) -> PackedBatch:
         """The decode-step path: only each request's one new token."""
@@ -221,11 +231,23 @@ def _pack(
     tables: list[list[int]],
     block_size: int,
     return_n_logits: int,
-    lookahead: int,
+    lookahead: list[int],
 ) -> tuple[DecoderInputs, torch.Tensor | None]:
     """Builds the index tensors of :class:`DecoderInputs` (see its worked example).
 
     Host-side arithmetic on tiny arrays: numpy, then zero-copy ``from_numpy``.
+
+    With lookahead (``L_i`` placeholders after request ``i``'s real tokens,
+    ``G = max L_i``), ``return_n_logits`` is ``G + 1`` and the logit rows of
+    request ``i`` are its last real row then its placeholders, padded past
+    ``L_i`` by repeating its last row; ``draft_index`` [B, G] holds the
+    placeholders' rows, padded with the request's last *real* row (a write
+    there must put back the token it holds). Example: two requests, 2 real
+    tokens each, ``L = [2, 0]``::
+
+        rows          = [a0, a1, a_ph0, a_ph1, b0, b1]
+        logit_index   = [1, 2, 3,  5, 5, 5]        # [B * 3]
+        draft_index   = [[2, 3], [5, 5]]            # [B, 2]
     """
     bs = block_size
     b = len(lens)
@@ -247,23 +269,38 @@ def _pack(
     out_index = req * qi.shape[1] + local  # [T]
     last = (offset + ln)[:, None]  # [B, 1] one past each request's last row
     n = return_n_logits
-    logit_index = np.maximum(last - n + np.arange(n)[None, :], offset[:, None]).reshape(-1)  # [B * n]
     draft_index = None
-    if lookahead:
-        draft_index = torch.from_numpy(last - lookahead + np.arange(lookahead)[None, :])  # [B, lookahead]
+    if max(lookahead):
+        look = np.asarray(lookahead, dtype=np.int64)[:, None]  # [B, 1]
+        first = last - look - 1  # [B, 1] each request's last real row
+        logit_index = np.minimum(first + np.arange(n)[None, :], last - 1).reshape(-1)  # [B * n]
+        j = np.arange(int(look.max()))[None, :]  # [1, G]
+        draft_index = torch.from_numpy(np.where(j < look, first + 1 + j, first))  # [B, G]
+    else:
+        logit_index = np.maximum(last - n + np.arange(n)[None, :], offset[:, None]).reshape(-1)  # [B * n]
     inputs = DecoderInputs(
         tokens=torch.tensor(tokens_list, dtype=torch.long),
         positions=torch.from_numpy(positions),
         slot_mapping=torch.from_numpy(slot_mapping),
-        gather_slots=torch.from_numpy(gather_slots),
+        gather_slots=torch.from_numpy(np.ascontiguousarray(gather_slots)),  # fancy indexing may give F order
         q_index=torch.from_numpy(q_index),
         q_pos=torch.from_numpy(q_pos),
         out_index=torch.from_numpy(out_index),
         logit_index=torch.from_numpy(logit_index),
         context_lengths=torch.from_numpy(ctx_len),
-        gather_is_exact=True,
+        single_request=b == 1,
+        # One request: its gathered keys are exactly its context.
+        mask=_mask_kind(b, t, starts[0]),
     )
     return inputs, draft_index
+
+
+def _mask_kind(num_requests: int, num_tokens: int, first_start: int) -> MaskKind:
+    if num_requests > 1:
+        return MaskKind.EXPLICIT
+    if num_tokens == 1:
+        return MaskKind.NONE
+    return MaskKind.CAUSAL if first_start == 0 else MaskKind.EXPLICIT
 
 
 def split_replicas(inputs: DecoderInputs, n_logits: int) -> list[DecoderInputs]:

@@ -28,6 +28,7 @@ see key 0 only and are dropped by ``out_index``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 import torch
 
@@ -49,6 +50,14 @@ class KVCacheTensors:
     v: torch.Tensor  # [layers, num_slots, kv_heads, head_dim]
 
 
+class MaskKind(IntEnum):
+    """Which attention mask a batch needs (key ``j`` is visible at position ``p`` iff ``j <= p``)."""
+
+    NONE = 0  # one request, one query, keys exactly its context: it sees them all
+    CAUSAL = 1  # one request fed from position 0, keys exactly its context: plain causal
+    EXPLICIT = 2  # anything else: the mask is built from ``q_pos``
+
+
 @dataclass
 class DecoderInputs:
     """One packed ragged batch for a decoder's ``forward``."""
@@ -63,9 +72,10 @@ class DecoderInputs:
     logit_index: torch.Tensor  # [N] int64, packed rows whose logits are returned
     kv_cache: KVCacheTensors | None = None
     context_lengths: torch.Tensor | None = None  # [B] each request's length after this step
-    # True when gather_slots spans exactly each request's context (the packer's
-    # batches); False when it reaches past it (the drafter's one-token steps).
-    gather_is_exact: bool = False
+    # Host facts about the batch's shape, decided by the packer so the model
+    # never branches on tensor sizes (a compiled model would guard on them):
+    single_request: bool = False  # B == 1: the queries are the packed rows as they are
+    mask: MaskKind = MaskKind.EXPLICIT
     # Where each data-parallel replica's requests start: [R + 1], host ints.
     data_parallel_splits: list[int] = field(default_factory=lambda: [0])
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.core.inputs import DecoderInputs, DecoderOutputs, KVCacheTensors
+from specdec.core.inputs import DecoderInputs, DecoderOutputs, KVCacheTensors, MaskKind
 from specdec.core.registry import DecoderModule, Role, register
 from specdec.models.config import LlamaConfig
 
@@ -75,17 +75,14 @@ class PagedAttend:
     def __init__(self, inputs: DecoderInputs, cache: KVCacheTensors, window: int | None) -> None:
         self.inputs = inputs
         self.cache = cache
-        b, q = inputs.q_index.shape
-        s = inputs.gather_slots.shape[1]
-        self.single = b == 1 and q == inputs.tokens.shape[0]  # one request: no packing
+        self.single = inputs.single_request  # one request: no packing
         self.causal = False
         self.mask: torch.Tensor | None = None
-        if self.single and inputs.gather_is_exact and window is None and q in (1, s):
-            # One request reads exactly its context: a lone query sees every
-            # key, and a whole fresh sequence is plain causal. No mask needed.
-            # A branch, not ``bool(...)``: under torch.compile ``q == s`` is symbolic.
-            self.causal = True if (q == s and q > 1) else False
+        # Host-decided (see MaskKind), so a compiled forward guards on a flag, not on sizes.
+        if window is None and inputs.mask != MaskKind.EXPLICIT:
+            self.causal = inputs.mask == MaskKind.CAUSAL
             return
+        s = inputs.gather_slots.shape[1]
         key_pos = torch.arange(s, device=inputs.q_pos.device)
         q_pos = inputs.q_pos.unsqueeze(-1)  # [B, Q, 1]
         mask = key_pos <= q_pos  # [B, Q, S]

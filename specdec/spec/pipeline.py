@@ -59,7 +59,7 @@ class DraftAndVerify(nn.Module):
         self,
         *,
         target_inputs: DecoderInputs,  # packed; γ placeholder rows per request
-        draft_index: torch.Tensor | None,  # [B, γ] packed rows of the placeholders
+        draft_index: torch.Tensor | None,  # [B, γ] packed rows of the placeholders (padded: see _pack)
         draft: DraftBatch | None,  # None: γ = 0, plain decoding
         sampling: SamplingTensors,
         num_draft: torch.Tensor,  # [B] drafts each request really proposes
@@ -70,8 +70,12 @@ class DraftAndVerify(nn.Module):
         if draft is not None and draft.gamma > 0:
             d = self.drafter(draft, sampling)
             draft_tokens, draft_probs = d.tokens, d.probs  # [B, γ], [B, γ, V] | None
-            tokens = target_inputs.tokens.index_put((draft_index.reshape(-1),), draft_tokens.reshape(-1))
-            target_inputs = replace(target_inputs, tokens=tokens)
+            # Request r has num_draft[r] placeholder rows; its draft_index past
+            # them points at its last real row, which gets its own token back.
+            idx = draft_index.reshape(-1)
+            real = (torch.arange(draft.gamma, device=idx.device) < num_draft.unsqueeze(1)).reshape(-1)
+            values = torch.where(real, draft_tokens.reshape(-1), target_inputs.tokens.index_select(0, idx))
+            target_inputs = replace(target_inputs, tokens=target_inputs.tokens.index_put((idx,), values))
         else:
             draft_tokens = torch.zeros(b, 0, dtype=torch.long)
             draft_probs = None
@@ -189,10 +193,11 @@ class SpecDecodePipelineModel:
                 self.state.tensors[name][ctx.slot] = value
         processed = ctx.processed(self.target.cache_name)
         full = processed + num_new == len(ctx.tokens)
-        # The batch pads every request to the step's largest γ (even a request
-        # whose own γ is 0), so reserve for the method's γ, the bound on that pad.
+        # The target verifies at most the request's own γ drafts; a drafting
+        # model drafts the step's largest γ for every request, so its cache
+        # needs room for the method's γ.
         g = self.config.num_speculative_tokens if full else 0
-        self.target.reserve(ctx, processed + num_new + g)
+        self.target.reserve(ctx, processed + num_new + (self.gamma_for(ctx) if full else 0))
         if g:
             self.proposer.reserve(ctx, g)
 
@@ -276,8 +281,10 @@ class SpecDecodePipelineModel:
             gamma = draft.gamma
             draft = draft if gamma else None
         num_draft = draft.num_draft if draft is not None else torch.zeros(len(batch), dtype=torch.long)
+        # Each request verifies only its own drafts (no placeholder rows for
+        # the padding up to the step's γ).
         packed = self.target.processor.prepare_initial_token_inputs(
-            [batch], return_n_logits=gamma + 1, lookahead=gamma
+            [batch], return_n_logits=gamma + 1, lookahead=num_draft.tolist() if gamma else 0
         )
         inputs = replace(packed.inputs, kv_cache=self.target.caches[0].tensors)
         positions = torch.tensor(lens, dtype=torch.long).unsqueeze(1) + torch.arange(gamma + 1)

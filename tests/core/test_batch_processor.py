@@ -228,8 +228,32 @@ def test_lookahead_placeholders():
     assert batch.inputs.tokens.tolist() == [7, 0, 0, 8, 9, 0, 0]
     assert batch.inputs.positions.tolist() == [2, 3, 4, 0, 1, 2, 3]
     assert batch.draft_index.tolist() == [[1, 2], [5, 6]]
-    assert batch.num_new == [1, 2] and batch.lookahead == 2
+    assert batch.inputs.logit_index.tolist() == [0, 1, 2, 4, 5, 6]
+    assert batch.num_new == [1, 2] and batch.lookahead == [2, 2]
     assert a.processed() == 5 and b.processed() == 4
+
+
+def test_ragged_lookahead_pads_logits_and_draft_rows_within_each_request():
+    p = _processor(block_size=2)
+    cache = p.runtime.kv_caches[0]
+    a = _ctx("a", [5, 6, 7], 2, cache)
+    cache.reserve(a.kv[CACHE], 3 + 2)
+    b = _ctx("b", [8, 9], 0, cache)
+    cache.reserve(b.kv[CACHE], 2)
+    c = _ctx("c", [4], 0, cache)
+    cache.reserve(c.kv[CACHE], 1 + 1)
+    batch = p.prepare_initial_token_inputs([[a, b, c]], lookahead=[2, 0, 1], return_n_logits=3)
+    # rows: a7 a_ph a_ph | b8 b9 | c4 c_ph -- no placeholder row for b
+    assert batch.inputs.tokens.tolist() == [7, 0, 0, 8, 9, 4, 0]
+    assert batch.inputs.positions.tolist() == [2, 3, 4, 0, 1, 0, 1]
+    # Logits: the last real row, then the placeholders; padded by repeating the last row.
+    assert batch.inputs.logit_index.view(3, 3).tolist() == [[0, 1, 2], [4, 4, 4], [5, 6, 6]]
+    # Placeholder rows; padding points at the request's last real row (a write there puts its token back).
+    assert batch.draft_index.tolist() == [[1, 2], [4, 4], [6, 5]]
+    assert batch.lookahead == [2, 0, 1]
+    assert (a.processed(), b.processed(), c.processed()) == (5, 2, 2)
+    with pytest.raises(ValueError, match="one count"):
+        p.prepare_initial_token_inputs([[a, b]], lookahead=[1])
 
 
 def test_max_dims():
@@ -268,3 +292,24 @@ def test_symbolic_inputs_before_and_after_binding():
     assert bound == [DECODER_INPUT_SPECS[0], InputSpec("accepted", torch.long, ("batch_size", 4))]
     with pytest.raises(ValueError, match="nope"):
         p.bind_input_tree(OrderedDict([("nope", 3)]))
+
+
+def test_mask_kind_is_decided_on_the_host():
+    from specdec.core.inputs import MaskKind
+
+    p = _processor(block_size=4)
+    cache = p.runtime.kv_caches[0]
+    fresh = _ctx("fresh", [1, 2, 3], 0, cache)
+    assert p.prepare_initial_token_inputs([[fresh]]).inputs.mask == MaskKind.CAUSAL
+    fresh.tokens.append(4)
+    decode = p.prepare_initial_token_inputs([[fresh]]).inputs
+    assert decode.mask == MaskKind.NONE and decode.single_request
+    fresh.tokens.append(5)
+    cache.reserve(fresh.kv[CACHE], 5 + 2)
+    verify = p.prepare_initial_token_inputs([[fresh]], lookahead=2, return_n_logits=3).inputs
+    assert verify.mask == MaskKind.EXPLICIT  # queries mid-context: keys past each one are masked
+    other = _ctx("other", [7], 0, cache)
+    fresh.kv[CACHE].num_tokens = 5  # the two placeholders rolled back, as after a step
+    fresh.tokens.append(6)
+    both = p.prepare_initial_token_inputs([[fresh, other]]).inputs
+    assert both.mask == MaskKind.EXPLICIT and not both.single_request

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from specdec.core.context import TextContext
-from specdec.core.inputs import DecoderInputs
+from specdec.core.inputs import DecoderInputs, MaskKind
 from specdec.core.kv_cache import block_table_array
 from specdec.core.pipeline_model import DecoderPipelineModel, registered_pipeline_model
 from specdec.sampling import LANE_DRAFT, SamplingTensors, greedy_tokens, probs_from_logits, sample_from
@@ -66,8 +66,9 @@ class DraftModelDrafter(Drafter):
         kv = self._pipeline.caches[0].tensors
         logits = self.decoder(replace(batch.catch_up, kv_cache=kv)).logits  # [B, V]
         b = logits.shape[0]
-        scratch = self._pipeline.processor.scratch
-        rows = scratch.ramp(b) if scratch is not None else torch.arange(b)
+        # Distinct tensors: a compiled decoder guards on inputs aliasing each other.
+        out_rows, logit_rows = torch.arange(b), torch.arange(b)
+        q_index = torch.arange(b).unsqueeze(1)
         toks, probs = [], []
         for j in range(batch.gamma):
             pos = batch.first_position + j  # [B] position the draft token will take
@@ -86,13 +87,15 @@ class DraftModelDrafter(Drafter):
                     tokens=t,
                     positions=batch.step_positions[j],
                     slot_mapping=batch.step_slots[j],
-                    gather_slots=batch.gather_slots[:, :n_keys],
-                    q_index=rows.unsqueeze(1),
+                    gather_slots=batch.gather_slots[:, :n_keys].contiguous(),  # strides of a view recompile
+                    q_index=q_index,
                     q_pos=batch.step_positions[j].unsqueeze(1),
-                    out_index=rows,
-                    logit_index=rows,
+                    out_index=out_rows,
+                    logit_index=logit_rows,
                     kv_cache=kv,
-                    gather_is_exact=b == 1,
+                    single_request=b == 1,
+                    # One request reads keys through this position only: exactly its context.
+                    mask=MaskKind.NONE if b == 1 else MaskKind.EXPLICIT,
                 )
                 logits = self.decoder(step).logits
         return DraftOutput(
@@ -151,7 +154,7 @@ class DraftModelProposer(Proposer):
             catch_up=packed.inputs,
             step_positions=torch.from_numpy(pos),
             step_slots=torch.from_numpy(slots),
-            gather_slots=torch.from_numpy(gather),
+            gather_slots=torch.from_numpy(np.ascontiguousarray(gather)),  # fancy indexing may give F order
             max_len=int(lens.max()),
         )
 
