@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch._dynamo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
@@ -62,6 +63,7 @@ class CompareConfig:
     sweep_new_tokens: int = 32
     out: str = "outputs/bench"
     threads: int = 2
+    compile: bool = True  # ours with runtime.compile (its eager runs are measured alongside at batch 1)
 
 
 def load_pair(name: str) -> tuple[str, Path, Path, list[list[int]]]:
@@ -95,15 +97,18 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
     hf_d_fixed.generation_config.num_assistant_tokens_schedule = "constant"
     hf_d_fixed.generation_config.num_assistant_tokens = cfg.gamma
     max_len = max(len(p) for p in prompts) + cfg.new_tokens + 16
-    rt = RuntimeConfig(max_batch_size=1, max_seq_len=max_len)
     ec = EngineConfig(max_batch_size=1)
-    ours = {
-        "ours plain": LLM(target, runtime=rt, engine_config=ec),
-        "ours draft_model": LLM(target, method=DraftModelConfig(path=str(draft), num_speculative_tokens=cfg.gamma),
-                                runtime=rt, engine_config=ec),
-        "ours ngram": LLM(target, method=NgramConfig(num_speculative_tokens=cfg.ngram_gamma), runtime=rt,
-                          engine_config=ec),
+    methods = {
+        "plain": None,
+        "draft_model": DraftModelConfig(path=str(draft), num_speculative_tokens=cfg.gamma),
+        "ngram": NgramConfig(num_speculative_tokens=cfg.ngram_gamma),
     }
+    ours = {}
+    for compiled in ([False, True] if cfg.compile else [False]):
+        rt = RuntimeConfig(max_batch_size=1, max_seq_len=max_len, compile=compiled)
+        for m, mc in methods.items():
+            ours[_ours(m, compiled)] = LLM(target, method=mc, runtime=rt, engine_config=ec)
+    c = cfg.compile  # the headline figures are for this mode
     n = cfg.new_tokens
     sp = SamplingParams(max_new_tokens=n, ignore_eos=True)
     runners = {
@@ -114,8 +119,10 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
             hf_generate(hf_t, p, n, prompt_lookup_num_tokens=cfg.ngram_gamma) for p in prompts],
         **{k: (lambda llm=llm: [o.token_ids for o in llm.generate(prompts, sp)]) for k, llm in ours.items()},
     }
-    for llm in ours.values():  # warm-up
-        llm.generate(prompts[:1], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    # Warm-up: one untimed pass of ours (compiled: every shape kind the timed
+    # passes meet compiles here, not inside a timed pass).
+    for k, llm in ours.items():
+        runners[k]()
     hf_generate(hf_t, prompts[0], 4)
     times: dict[str, list[float]] = {k: [] for k in runners}
     outs: dict[str, list[list[int]]] = {}
@@ -131,28 +138,41 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
     ref = outs["hf plain"]
     equal = {k: o == ref for k, o in outs.items()}
     # Efficiency of our draft-model run against its analytic limit.
-    dm = ours["ours draft_model"].pipeline
+    dm = ours[_ours("draft_model", c)].pipeline
     ctx_len = max(len(p) for p in prompts) + n // 2
     t1 = forward_time(dm.target, 1, ctx_len)
     tg = forward_time(dm.target, cfg.gamma + 1, ctx_len)
     td = forward_time(dm.proposer.pipeline, 1, ctx_len)
     tau = dm.run_counts().tau
     limit = analytic_limit(tau=tau, gamma=cfg.gamma, t_target_1=t1, t_target_g1=tg, t_draft_1=td)
-    speedup = tps["ours draft_model"] / tps["ours plain"]
+    speedup = tps[_ours("draft_model", c)] / tps[_ours("plain", c)]
     rows = [{"pair": name, "method": k, "tok_s": v, "vs_hf_plain": v / tps["hf plain"], "equal": equal[k]}
             for k, v in tps.items()]
     print_table(rows, f"batch 1, greedy, {len(prompts)} prompts x {n} tokens, medians of {cfg.repeats} ({name} pair)")
-    return {
+    hf_assisted = max(tps["hf assisted (default)"], tps[f"hf assisted (γ={cfg.gamma})"])
+    hf_lookup = tps[f"hf prompt lookup ({cfg.ngram_gamma})"]
+    out = {
         "pair": name,
+        "compile": c,
         "tok_s": tps,
         "equal": all(equal.values()),
-        "draft_vs_hf_assisted": tps["ours draft_model"] / max(tps["hf assisted (default)"], tps[f"hf assisted (γ={cfg.gamma})"]),
-        "ngram_vs_hf_prompt_lookup": tps["ours ngram"] / tps[f"hf prompt lookup ({cfg.ngram_gamma})"],
+        "draft_vs_hf_assisted": tps[_ours("draft_model", c)] / hf_assisted,
+        "ngram_vs_hf_prompt_lookup": tps[_ours("ngram", c)] / hf_lookup,
         "efficiency_batch1": speedup / limit if limit else 0.0,
         "tau_draft_model": tau,
         "speedup_draft_model": speedup,
-        "speedup_ngram": tps["ours ngram"] / tps["ours plain"],
+        "speedup_ngram": tps[_ours("ngram", c)] / tps[_ours("plain", c)],
     }
+    if c:  # the gain of compile=true, and the eager figures beside it
+        out["compile_gain_plain"] = tps[_ours("plain", True)] / tps[_ours("plain", False)]
+        out["compile_gain_draft_model"] = tps[_ours("draft_model", True)] / tps[_ours("draft_model", False)]
+        out["draft_vs_hf_assisted_eager"] = tps[_ours("draft_model", False)] / hf_assisted
+        out["ngram_vs_hf_prompt_lookup_eager"] = tps[_ours("ngram", False)] / hf_lookup
+    return out
+
+
+def _ours(method: str, compiled: bool) -> str:
+    return f"ours {method}" + (" (compiled)" if compiled else "")
 
 
 def sweep(cfg: CompareConfig, target: Path, draft: Path, prompts: list[list[int]]) -> tuple[list[dict], bool]:
@@ -165,7 +185,11 @@ def sweep(cfg: CompareConfig, target: Path, draft: Path, prompts: list[list[int]
         # At least 16 requests per point, so small batches time more than one short request.
         ps = [prompts[i % len(prompts)] for i in range(max(b, 16))]
         max_len = max(len(p) for p in ps) + n + 16
-        rt = RuntimeConfig(max_batch_size=b, max_seq_len=max_len)
+        if cfg.compile:
+            # Fresh pipelines per point: drop the earlier points' graphs, or dynamo
+            # (one cache per code object) checks every one of them on each call.
+            torch._dynamo.reset()
+        rt = RuntimeConfig(max_batch_size=b, max_seq_len=max_len, compile=cfg.compile)
         ec = EngineConfig(max_batch_size=b)
         sp = SamplingParams(max_new_tokens=n, ignore_eos=True)
         # Adaptive γ: speculation turns itself down (to plain decoding) where it cannot pay.
@@ -176,8 +200,8 @@ def sweep(cfg: CompareConfig, target: Path, draft: Path, prompts: list[list[int]
             "ngram": LLM(target, method=NgramConfig(num_speculative_tokens=cfg.ngram_gamma, adaptive_gamma=True),
                          runtime=rt, engine_config=ec),
         }
-        for llm in llms.values():
-            llm.generate(ps[:1], SamplingParams(max_new_tokens=4, ignore_eos=True))
+        for llm in llms.values():  # warm-up: one untimed pass (compiled: compiles every shape kind met)
+            llm.generate(ps, sp)
         times: dict[str, list[float]] = {k: [] for k in [*llms, "hf plain"]}
         outs = {}
         for _ in range(max(1, cfg.repeats - 1)):
@@ -194,7 +218,8 @@ def sweep(cfg: CompareConfig, target: Path, draft: Path, prompts: list[list[int]
                      "ngram_tok_s": tps["ngram"], "hf_plain_tok_s": tps["hf plain"],
                      "draft_vs_plain": tps["draft_model"] / tps["plain"],
                      "ngram_vs_plain": tps["ngram"] / tps["plain"], "equal": eq})
-    print_table(rows, f"batch sweep, greedy, {n} new tokens, adaptive γ <= {cfg.gamma}")
+    mode = "compiled" if cfg.compile else "eager"
+    print_table(rows, f"batch sweep, greedy, {n} new tokens, adaptive γ <= {cfg.gamma}, ours {mode}")
     return rows, equal
 
 
@@ -252,7 +277,12 @@ def main(argv: list[str]) -> None:
         "min_spec_vs_plain": round(min_ratio, 3),
         "outputs_equal": all(r["equal"] for r in results) and sweep_equal,
         "pair": head["pair"],
+        "compile": cfg.compile,
     }
+    for k in ("compile_gain_plain", "compile_gain_draft_model", "draft_vs_hf_assisted_eager",
+              "ngram_vs_hf_prompt_lookup_eager"):
+        if k in head:
+            figures[k] = round(head[k], 3)
     (out / "compare_hf.json").write_text(json.dumps({"figures": figures, "batch1": results, "sweep": rows}, indent=2))
     bar_chart(results, out / "compare_hf.png")
     print(f"\nwrote {out / 'compare_hf.json'} and {out / 'compare_hf.png'}")
