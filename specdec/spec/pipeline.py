@@ -63,18 +63,21 @@ class DraftAndVerify(nn.Module):
         draft: DraftBatch | None,  # None: γ = 0, plain decoding
         sampling: SamplingTensors,
         num_draft: torch.Tensor,  # [B] drafts each request really proposes
-        positions: torch.Tensor,  # [B, γ+1] sequence position of each emitted token
+        ragged: bool,  # some request has fewer than γ drafts (its draft_index is padded)
+        positions: torch.Tensor | None,  # [B, γ+1] sequence position of each emitted token (sampling only)
     ) -> StepOutput:
         t0 = time.perf_counter()
-        b = positions.shape[0]
+        b = num_draft.shape[0]
         if draft is not None and draft.gamma > 0:
             d = self.drafter(draft, sampling)
             draft_tokens, draft_probs = d.tokens, d.probs  # [B, γ], [B, γ, V] | None
             # Request r has num_draft[r] placeholder rows; its draft_index past
             # them points at its last real row, which gets its own token back.
             idx = draft_index.reshape(-1)
-            real = (torch.arange(draft.gamma, device=idx.device) < num_draft.unsqueeze(1)).reshape(-1)
-            values = torch.where(real, draft_tokens.reshape(-1), target_inputs.tokens.index_select(0, idx))
+            values = draft_tokens.reshape(-1)
+            if ragged:
+                real = (torch.arange(draft.gamma, device=idx.device) < num_draft.unsqueeze(1)).reshape(-1)
+                values = torch.where(real, values, target_inputs.tokens.index_select(0, idx))
             target_inputs = replace(target_inputs, tokens=target_inputs.tokens.index_put((idx,), values))
         else:
             draft_tokens = torch.zeros(b, 0, dtype=torch.long)
@@ -86,6 +89,7 @@ class DraftAndVerify(nn.Module):
         if sampling.all_greedy:
             out, acc = verify_greedy(draft_tokens=draft_tokens, target_logits=logits, num_draft=num_draft)
         else:
+            assert positions is not None
             out, acc = verify_sampled(
                 draft_tokens=draft_tokens,
                 draft_probs=draft_probs,
@@ -211,8 +215,12 @@ class SpecDecodePipelineModel:
             ctx.slot = None
 
     def _sampling(self, batch: list[TextContext]) -> SamplingTensors:
-        slots = torch.tensor([c.slot for c in batch], dtype=torch.long)
         temps = [c.sampling.temperature for c in batch]
+        if all(t == 0 for t in temps):  # greedy reads no sampling tensor: skip the gathers
+            z, zl = torch.zeros(len(batch)), torch.zeros(len(batch), dtype=torch.long)
+            return SamplingTensors(temperature=z, top_k=zl, top_p=z, seeds=zl, all_greedy=True,
+                                   any_greedy=True, any_top_k=False, any_top_p=False)
+        slots = torch.tensor([c.slot for c in batch], dtype=torch.long)
         g = self.state.gather
         return SamplingTensors(
             temperature=g("temperature", slots),
@@ -281,19 +289,24 @@ class SpecDecodePipelineModel:
             gamma = draft.gamma
             draft = draft if gamma else None
         num_draft = draft.num_draft if draft is not None else torch.zeros(len(batch), dtype=torch.long)
+        look = num_draft.tolist() if gamma else [0] * len(batch)
         # Each request verifies only its own drafts (no placeholder rows for
         # the padding up to the step's γ).
         packed = self.target.processor.prepare_initial_token_inputs(
-            [batch], return_n_logits=gamma + 1, lookahead=num_draft.tolist() if gamma else 0
+            [batch], return_n_logits=gamma + 1, lookahead=look
         )
         inputs = replace(packed.inputs, kv_cache=self.target.caches[0].tensors)
-        positions = torch.tensor(lens, dtype=torch.long).unsqueeze(1) + torch.arange(gamma + 1)
+        sampling = self._sampling(batch)
+        positions = None
+        if not sampling.all_greedy:
+            positions = torch.tensor(lens, dtype=torch.long).unsqueeze(1) + torch.arange(gamma + 1)
         out = self.module(
             target_inputs=inputs,
             draft_index=packed.draft_index,
             draft=draft,
-            sampling=self._sampling(batch),
+            sampling=sampling,
             num_draft=num_draft,
+            ragged=min(look) < gamma,
             positions=positions,
         )
         self.num_target_forwards += 1
