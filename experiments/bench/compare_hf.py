@@ -64,6 +64,7 @@ class CompareConfig:
     out: str = "outputs/bench"
     threads: int = 2
     compile: bool = True  # ours with runtime.compile (its eager runs are measured alongside at batch 1)
+    device: str = "cpu"  # cuda: see gpu.sh (transformers runs there too)
 
 
 def load_pair(name: str) -> tuple[str, Path, Path, list[list[int]]]:
@@ -80,7 +81,7 @@ def load_pair(name: str) -> tuple[str, Path, Path, list[list[int]]]:
 
 
 def hf_generate(model, prompt: list[int], new_tokens: int, **kw) -> list[int]:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0, **kw)
@@ -91,9 +92,9 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
     from transformers import AutoModelForCausalLM
 
     prompts = prompts[: cfg.num_prompts]
-    hf_t = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    hf_d = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
-    hf_d_fixed = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+    hf_t = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval().to(cfg.device)
+    hf_d = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval().to(cfg.device)
+    hf_d_fixed = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval().to(cfg.device)
     hf_d_fixed.generation_config.num_assistant_tokens_schedule = "constant"
     hf_d_fixed.generation_config.num_assistant_tokens = cfg.gamma
     max_len = max(len(p) for p in prompts) + cfg.new_tokens + 16
@@ -105,7 +106,7 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
     }
     ours = {}
     for compiled in ([False, True] if cfg.compile else [False]):
-        rt = RuntimeConfig(max_batch_size=1, max_seq_len=max_len, compile=compiled)
+        rt = RuntimeConfig(max_batch_size=1, max_seq_len=max_len, compile=compiled, device=cfg.device)
         for m, mc in methods.items():
             ours[_ours(m, compiled)] = LLM(target, method=mc, runtime=rt, engine_config=ec)
     c = cfg.compile  # the headline figures are for this mode
@@ -178,7 +179,7 @@ def _ours(method: str, compiled: bool) -> str:
 def sweep(cfg: CompareConfig, target: Path, draft: Path, prompts: list[list[int]]) -> tuple[list[dict], bool]:
     from transformers import AutoModelForCausalLM
 
-    hf_t = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    hf_t = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval().to(cfg.device)
     n = cfg.sweep_new_tokens
     rows, equal = [], True
     for b in cfg.batch_sizes:
@@ -189,7 +190,7 @@ def sweep(cfg: CompareConfig, target: Path, draft: Path, prompts: list[list[int]
             # Fresh pipelines per point: drop the earlier points' graphs, or dynamo
             # (one cache per code object) checks every one of them on each call.
             torch._dynamo.reset()
-        rt = RuntimeConfig(max_batch_size=b, max_seq_len=max_len, compile=cfg.compile)
+        rt = RuntimeConfig(max_batch_size=b, max_seq_len=max_len, compile=cfg.compile, device=cfg.device)
         ec = EngineConfig(max_batch_size=b)
         sp = SamplingParams(max_new_tokens=n, ignore_eos=True)
         # Adaptive γ: speculation turns itself down (to plain decoding) where it cannot pay.
@@ -228,11 +229,11 @@ def hf_batched(model, prompts: list[list[int]], batch: int, new_tokens: int) -> 
     for i in range(0, len(prompts), batch):
         chunk = prompts[i : i + batch]
         width = max(len(p) for p in chunk)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=model.device)
         with torch.inference_mode():
             model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           do_sample=False, eos_token_id=None, pad_token_id=0)
+                           do_sample=False, eos_token_id=None, pad_token_id=0).tolist()  # .tolist(): wait for the device
 
 
 def bar_chart(results: list[dict], path: Path) -> None:

@@ -57,6 +57,8 @@ class SpecBenchConfig:
     batch_size: int = 1
     repeats: int = 3
     threads: int = 2
+    device: str = "cpu"  # cuda: see gpu.sh
+    compile: bool = False  # runtime.compile for every pipeline
 
 
 def method_config(name: str, gamma: int, draft: Path):
@@ -84,7 +86,8 @@ def main(argv: list[str]) -> None:
         # Repetitive prompts give n-gram lookup something to find.
         prompts = [(torch.randint(3, 200, (16,), generator=g).tolist() * 4) for _ in range(cfg.num_prompts)]
     max_len = max(len(p) for p in prompts) + cfg.new_tokens + 16
-    runtime = RuntimeConfig(max_batch_size=cfg.batch_size, max_seq_len=max_len)
+    runtime = RuntimeConfig(max_batch_size=cfg.batch_size, max_seq_len=max_len, device=cfg.device,
+                            compile=cfg.compile)
     engine_cfg = EngineConfig(max_batch_size=cfg.batch_size)
     sp = SamplingParams(max_new_tokens=cfg.new_tokens, ignore_eos=True)
 

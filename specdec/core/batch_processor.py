@@ -24,6 +24,7 @@ from specdec.core.inputs import (
     InputSpec,
     MaskKind,
     ModelOutputs,
+    move_tensors,
 )
 from specdec.core.kv_cache import KVCacheParams, PagedKVCache, block_table_array
 from specdec.core.state_store import RequestStateStore
@@ -204,6 +205,9 @@ class DecoderBatchProcessor:
         for c, ln in zip(ctxs, lens):
             c.kv[name].num_tokens += ln
         inputs.data_parallel_splits = splits
+        if torch.device(rt.device).type != "cpu":  # packed on the host; the model reads them on its device
+            inputs = move_tensors(inputs, rt.device)
+            draft_index = draft_index.to(rt.device, non_blocking=True) if draft_index is not None else None
         return PackedBatch(inputs, ctxs, num_new, look, draft_index, return_n_logits)
 
     def prepare_next_token_inputs(self, replica_batches: Sequence[Sequence[TextContext]]) -> PackedBatch:

@@ -27,8 +27,9 @@ see key 0 only and are dropped by ``out_index``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from enum import IntEnum
+from typing import Any, TypeVar
 
 import torch
 
@@ -78,6 +79,25 @@ class DecoderInputs:
     mask: MaskKind = MaskKind.EXPLICIT
     # Where each data-parallel replica's requests start: [R + 1], host ints.
     data_parallel_splits: list[int] = field(default_factory=lambda: [0])
+
+
+D = TypeVar("D")
+
+
+def move_tensors(obj: D, device: torch.device | str) -> D:
+    """A copy of dataclass ``obj`` with its tensor fields (and those of nested
+    dataclasses) on ``device``; ``obj`` itself when nothing moves. The packers
+    build index tensors on the host; this puts a step's inputs where the model is."""
+    changes: dict[str, Any] = {}
+    for f in fields(obj):  # type: ignore[arg-type]
+        v = getattr(obj, f.name)
+        if isinstance(v, torch.Tensor) and v.device != torch.device(device):
+            changes[f.name] = v.to(device, non_blocking=True)
+        elif is_dataclass(v) and not isinstance(v, type) and not isinstance(v, KVCacheTensors):
+            moved = move_tensors(v, device)
+            if moved is not v:
+                changes[f.name] = moved
+    return replace(obj, **changes) if changes else obj  # type: ignore[type-var]
 
 
 # The canonical inputs of a graph-API decoder, as symbolic specs.

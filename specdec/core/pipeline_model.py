@@ -261,12 +261,12 @@ class PlainGeneration:
         out = self.target.execute(packed)
         self.num_forwards += 1
         logits = out.logits  # [B, V]
-        st = sampling_tensors([c.sampling for c in order], [c.seed for c in order])
+        st = sampling_tensors([c.sampling for c in order], [c.seed for c in order], logits.device)
         if st.all_greedy:
             toks = greedy_tokens(logits)
         else:
             probs = probs_from_logits(logits.unsqueeze(1), st).squeeze(1)
-            pos = torch.tensor([len(c.tokens) for c in order], dtype=torch.long)
+            pos = torch.tensor([len(c.tokens) for c in order], dtype=torch.long, device=logits.device)
             toks = sample_from(probs, st.seeds, pos, LANE_TARGET)
         toks_list = toks.tolist()
         result = {}

@@ -35,12 +35,16 @@ def forward_time(pm: DecoderPipelineModel, n: int, ctx_len: int, *, repeats: int
         inputs = packed.inputs
         inputs.kv_cache = cache.tensors
         module = pm.module
+        dev = cache.tensors.k.device
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda *a: None)
         for _ in range(3):
             module(inputs)
         times = []
         for _ in range(repeats):
+            sync(dev)
             t = time.perf_counter()
             module(inputs)
+            sync(dev)  # device work is asynchronous: time it to the end
             times.append(time.perf_counter() - t)
         return min(times) if stat == "min" else statistics.median(times)
     finally:

@@ -80,7 +80,7 @@ class DraftAndVerify(nn.Module):
                 values = torch.where(real, values, target_inputs.tokens.index_select(0, idx))
             target_inputs = replace(target_inputs, tokens=target_inputs.tokens.index_put((idx,), values))
         else:
-            draft_tokens = torch.zeros(b, 0, dtype=torch.long)
+            draft_tokens = torch.zeros(b, 0, dtype=torch.long, device=num_draft.device)
             draft_probs = None
         t1 = time.perf_counter()
         logits = self.target(target_inputs).logits  # [B * (γ+1), V]
@@ -146,11 +146,13 @@ class SpecDecodePipelineModel:
         self.max_seq_len = max_seq_len
         self.vocab_size = target.config.vocab_size
         self.max_batch_size = target.processor.runtime.max_batch_size  # one state slot each
+        self.device = torch.device(target.processor.runtime.device)
         gmax = max(config.num_speculative_tokens, 1)
         self.state = RequestStateStore(
             spec_state_specs(),
             max_batch_size=target.processor.runtime.max_batch_size,
             dims={"max_draft": gmax},
+            device=self.device,
         )
         target.processor.state_store = self.state
         draft_pipeline = getattr(proposer, "pipeline", None)
@@ -217,10 +219,11 @@ class SpecDecodePipelineModel:
     def _sampling(self, batch: list[TextContext]) -> SamplingTensors:
         temps = [c.sampling.temperature for c in batch]
         if all(t == 0 for t in temps):  # greedy reads no sampling tensor: skip the gathers
-            z, zl = torch.zeros(len(batch)), torch.zeros(len(batch), dtype=torch.long)
+            z = torch.zeros(len(batch), device=self.device)
+            zl = torch.zeros(len(batch), dtype=torch.long, device=self.device)
             return SamplingTensors(temperature=z, top_k=zl, top_p=z, seeds=zl, all_greedy=True,
                                    any_greedy=True, any_top_k=False, any_top_p=False)
-        slots = torch.tensor([c.slot for c in batch], dtype=torch.long)
+        slots = torch.tensor([c.slot for c in batch], dtype=torch.long, device=self.device)
         g = self.state.gather
         return SamplingTensors(
             temperature=g("temperature", slots),
@@ -288,7 +291,7 @@ class SpecDecodePipelineModel:
             # miss): verify only those, not γ placeholder rows.
             gamma = draft.gamma
             draft = draft if gamma else None
-        num_draft = draft.num_draft if draft is not None else torch.zeros(len(batch), dtype=torch.long)
+        num_draft = draft.num_draft if draft is not None else torch.zeros(len(batch), dtype=torch.long, device=self.device)
         look = num_draft.tolist() if gamma else [0] * len(batch)
         # Each request verifies only its own drafts (no placeholder rows for
         # the padding up to the step's γ).
@@ -299,7 +302,9 @@ class SpecDecodePipelineModel:
         sampling = self._sampling(batch)
         positions = None
         if not sampling.all_greedy:
-            positions = torch.tensor(lens, dtype=torch.long).unsqueeze(1) + torch.arange(gamma + 1)
+            positions = torch.tensor(lens, dtype=torch.long, device=self.device).unsqueeze(1) + torch.arange(
+                gamma + 1, device=self.device
+            )
         out = self.module(
             target_inputs=inputs,
             draft_index=packed.draft_index,
@@ -310,7 +315,7 @@ class SpecDecodePipelineModel:
             positions=positions,
         )
         self.num_target_forwards += 1
-        slots = torch.tensor([c.slot for c in batch], dtype=torch.long)
+        slots = torch.tensor([c.slot for c in batch], dtype=torch.long, device=self.device)
         self.state.scatter("num_accepted", slots, out.num_accepted)
         if gamma:
             self.state.tensors["draft_tokens"][slots, :gamma] = out.draft_tokens

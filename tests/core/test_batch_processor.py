@@ -313,3 +313,20 @@ def test_mask_kind_is_decided_on_the_host():
     fresh.tokens.append(6)
     both = p.prepare_initial_token_inputs([[fresh, other]]).inputs
     assert both.mask == MaskKind.EXPLICIT and not both.single_request
+
+
+def test_move_tensors_moves_every_tensor_field_and_nested_inputs():
+    from specdec.core.inputs import move_tensors
+    from specdec.spec.proposers.draft_model import DraftModelBatch
+
+    p = _processor(block_size=4)
+    cache = p.runtime.kv_caches[0]
+    inputs = p.prepare_initial_token_inputs([[_ctx("a", [1, 2, 3], 0, cache)]]).inputs
+    assert move_tensors(inputs, "cpu") is inputs  # nothing to move: the same object
+    batch = DraftModelBatch(gamma=2, num_draft=torch.tensor([2]), first_position=torch.tensor([3]),
+                            catch_up=inputs, step_positions=torch.tensor([[3]]))
+    moved = move_tensors(batch, "meta")  # a device every build has
+    assert moved.num_draft.device.type == "meta" and moved.step_positions.device.type == "meta"
+    assert moved.catch_up.tokens.device.type == "meta" and moved.catch_up.gather_slots.device.type == "meta"
+    assert moved.gamma == 2 and moved.catch_up.mask == inputs.mask
+    assert batch.num_draft.device.type == "cpu"  # the original is left alone

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from specdec.core.context import TextContext
-from specdec.core.inputs import DecoderInputs, MaskKind
+from specdec.core.inputs import DecoderInputs, MaskKind, move_tensors
 from specdec.core.kv_cache import block_table_array
 from specdec.core.pipeline_model import DecoderPipelineModel, registered_pipeline_model
 from specdec.sampling import LANE_DRAFT, SamplingTensors, greedy_tokens, probs_from_logits, sample_from
@@ -67,8 +67,9 @@ class DraftModelDrafter(Drafter):
         logits = self.decoder(replace(batch.catch_up, kv_cache=kv)).logits  # [B, V]
         b = logits.shape[0]
         # Distinct tensors: a compiled decoder guards on inputs aliasing each other.
-        out_rows, logit_rows = torch.arange(b), torch.arange(b)
-        q_index = torch.arange(b).unsqueeze(1)
+        dev = logits.device
+        out_rows, logit_rows = torch.arange(b, device=dev), torch.arange(b, device=dev)
+        q_index = torch.arange(b, device=dev).unsqueeze(1)
         toks, probs = [], []
         for j in range(batch.gamma):
             pos = batch.first_position + j  # [B] position the draft token will take
@@ -147,7 +148,7 @@ class DraftModelProposer(Proposer):
         gather = tbl[:, np.minimum(p // bs, tbl.shape[1] - 1)] * bs + p % bs  # [B, S]
         for c in batch:
             c.kv[self.cache_name].num_tokens += steps
-        return DraftModelBatch(
+        batch_out = DraftModelBatch(
             gamma=gamma,
             num_draft=torch.tensor(num_draft, dtype=torch.long),
             first_position=torch.from_numpy(lens),
@@ -157,6 +158,8 @@ class DraftModelProposer(Proposer):
             gather_slots=torch.from_numpy(np.ascontiguousarray(gather)),  # fancy indexing may give F order
             max_len=int(lens.max()),
         )
+        dev = torch.device(proc.runtime.device)
+        return batch_out if dev.type == "cpu" else move_tensors(batch_out, dev)
 
     def draft_cost(self, batch_size: int, context_len: int) -> float:
         return forward_time(self.pipeline, batch_size, max(context_len, batch_size), repeats=7, stat="min")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.core.context import TextContext
+from specdec.core.inputs import move_tensors
 from specdec.sampling import SamplingTensors
 from specdec.spec.proposers.base import (
     DraftBatch,
@@ -81,6 +82,7 @@ class NgramProposer(Proposer):
         self.config = config
         self.drafter = NgramDrafter()
         self._index: dict[str, _Index] = {}
+        self.device = torch.device(deps.runtime.device if deps is not None else "cpu")
 
     def prepare(self, batch: list[TextContext], gamma: int, num_draft: list[int]) -> NgramDraftBatch:
         cfg = self.config
@@ -91,12 +93,13 @@ class NgramProposer(Proposer):
         found = [len(p) for p in props]
         gamma = max(found)  # the step verifies only as many rows as were found
         rows = [p + [0] * (gamma - len(p)) for p in props]
-        return NgramDraftBatch(
+        out = NgramDraftBatch(
             gamma=gamma,
             num_draft=torch.tensor(found, dtype=torch.long),
             first_position=torch.tensor([len(c.tokens) for c in batch], dtype=torch.long),
             tokens=torch.tensor(rows, dtype=torch.long).view(len(batch), gamma),
         )
+        return out if self.device.type == "cpu" else move_tensors(out, self.device)
 
     def free(self, ctx: TextContext) -> None:
         self._index.pop(ctx.request_id, None)
