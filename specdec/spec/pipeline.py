@@ -173,7 +173,10 @@ class SpecDecodePipelineModel:
         self.module = DraftAndVerify(built, proposer.drafter)
         self.counts: dict[str, SpecCounts] = {}
         self.num_target_forwards = 0
-        self._offered: dict[str, int] = {}  # request -> Σ step γ (for adaptive γ)
+        # Adaptive γ's running acceptance, per live request: [accepted, Σ step γ].
+        # Not self.counts (the run's figures, kept after a request ends): a
+        # later request may reuse the id.
+        self._running: dict[str, list[int]] = {}
         self._curves: tuple[CostCurve, CostCurve] | None = None
         if config.gamma_policy.adaptive:  # calibrate now, while the KV cache is empty
             self._cost_curves()
@@ -211,7 +214,7 @@ class SpecDecodePipelineModel:
         self.target.free(ctx)
         self.proposer.free(ctx)
         if ctx.done:
-            self._offered.pop(ctx.request_id, None)
+            self._running.pop(ctx.request_id, None)
         if ctx.slot is not None:
             self.state.release(ctx.slot)
             ctx.slot = None
@@ -272,9 +275,8 @@ class SpecDecodePipelineModel:
         w, prior = pol.prior_weight, pol.prior_accept
         accept = []
         for c in batch:
-            counts = self.counts.get(c.request_id)
-            acc = counts.accepted if counts is not None else 0
-            accept.append((acc + prior * w) / (self._offered.get(c.request_id, 0) + w))
+            acc, offered = self._running.get(c.request_id, (0, 0))
+            accept.append((acc + prior * w) / (offered + w))
         tt, td = self._cost_curves()
         return choose_gamma(accept, max(gammas), tt, td, pol.min_gain)
 
@@ -325,7 +327,9 @@ class SpecDecodePipelineModel:
         new: list[list[int]] = []
         for c, toks, k, n, ln, g in zip(batch, tokens, accepted, nd, lens, gammas):
             self.counts.setdefault(c.request_id, SpecCounts()).record(n, k)
-            self._offered[c.request_id] = self._offered.get(c.request_id, 0) + g
+            running = self._running.setdefault(c.request_id, [0, 0])
+            running[0] += k
+            running[1] += g
             # Target keeps the committed tokens but the last (it is fed next step).
             self.target.truncate(c, ln + k)
             self.proposer.commit(c, ln + k + 1)

@@ -58,3 +58,23 @@ def test_adaptive_gamma_is_exact(tiny_llama, method: str) -> None:
     llm = LLM(target.path, method=cfg, runtime=rt)
     assert [o.token_ids for o in llm.generate(prompts, sp)] == plain
     assert llm.pipeline._curves is not None  # calibrated at build time
+
+
+def test_adaptive_gamma_starts_fresh_for_each_request(tiny_llama) -> None:
+    """A second generate() reuses request ids ("req-0" …); the adaptive policy
+    must not carry the first call's acceptance into it."""
+    target = tiny_llama(seed=0)
+    draft = tiny_llama(seed=0, perturb=0.01, perturb_seed=1)  # a good drafter
+    cfg = DraftModelConfig(path=str(draft.path), num_speculative_tokens=4, adaptive_gamma=True)
+    llm = LLM(target.path, method=cfg, runtime=RuntimeConfig(max_batch_size=2, max_seq_len=96))
+    # Flat target, drafts at 0.3 a token: the prior's 0.6 acceptance picks γ = 1,
+    # a learned high acceptance picks more. The γ sequence then shows what was carried over.
+    llm.pipeline._curves = (CostCurve(lambda n: 1.0, [1, 64]), CostCurve(lambda b: 0.3, [1, 2]))
+    prompts, sp = [[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=24, ignore_eos=True)
+    proposed = []
+    for _ in range(2):  # the run's counters accumulate: take each call's share
+        before = llm.pipeline.run_counts().proposed
+        llm.generate(prompts, sp)
+        proposed.append(llm.pipeline.run_counts().proposed - before)
+    assert proposed[0] > 0
+    assert proposed[1] == proposed[0]
