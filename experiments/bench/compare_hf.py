@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch._dynamo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
@@ -61,6 +60,8 @@ class CompareConfig:
     repeats: int = 3
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
     sweep_new_tokens: int = 32
+    sweep_min_requests: int = 16  # per point, so small batches time more than one short request
+    sweep_compile: bool | None = None  # None: as `compile` (quick: false, compiling its batch shapes takes ~25 s)
     out: str = "outputs/bench"
     threads: int = 2
     compile: bool = True  # ours with runtime.compile (its eager runs are measured alongside at batch 1)
@@ -183,14 +184,9 @@ def sweep(cfg: CompareConfig, target: Path, draft: Path, prompts: list[list[int]
     n = cfg.sweep_new_tokens
     rows, equal = [], True
     for b in cfg.batch_sizes:
-        # At least 16 requests per point, so small batches time more than one short request.
-        ps = [prompts[i % len(prompts)] for i in range(max(b, 16))]
+        ps = [prompts[i % len(prompts)] for i in range(max(b, cfg.sweep_min_requests))]
         max_len = max(len(p) for p in ps) + n + 16
-        if cfg.compile:
-            # Fresh pipelines per point: drop the earlier points' graphs, or dynamo
-            # (one cache per code object) checks every one of them on each call.
-            torch._dynamo.reset()
-        rt = RuntimeConfig(max_batch_size=b, max_seq_len=max_len, compile=cfg.compile, device=cfg.device)
+        rt = RuntimeConfig(max_batch_size=b, max_seq_len=max_len, compile=bool(cfg.sweep_compile), device=cfg.device)
         ec = EngineConfig(max_batch_size=b)
         sp = SamplingParams(max_new_tokens=n, ignore_eos=True)
         # Adaptive γ: speculation turns itself down (to plain decoding) where it cannot pay.
@@ -219,7 +215,7 @@ def sweep(cfg: CompareConfig, target: Path, draft: Path, prompts: list[list[int]
                      "ngram_tok_s": tps["ngram"], "hf_plain_tok_s": tps["hf plain"],
                      "draft_vs_plain": tps["draft_model"] / tps["plain"],
                      "ngram_vs_plain": tps["ngram"] / tps["plain"], "equal": eq})
-    mode = "compiled" if cfg.compile else "eager"
+    mode = "compiled" if cfg.sweep_compile else "eager"
     print_table(rows, f"batch sweep, greedy, {n} new tokens, adaptive γ <= {cfg.gamma}, ours {mode}")
     return rows, equal
 
@@ -258,7 +254,11 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(cfg.threads)
     if cfg.quick:
         cfg.pairs, cfg.repeats, cfg.num_prompts, cfg.new_tokens = ["builtin"], 1, 3, 48
-        cfg.batch_sizes, cfg.sweep_new_tokens = [1, 4, 16, 64], 24
+        cfg.batch_sizes, cfg.sweep_new_tokens, cfg.sweep_min_requests = [1, 4, 16, 64], 24, 8
+        if cfg.sweep_compile is None:
+            cfg.sweep_compile = False
+    if cfg.sweep_compile is None:
+        cfg.sweep_compile = cfg.compile
     results = []
     pairs = {}
     for name in cfg.pairs:
@@ -279,6 +279,7 @@ def main(argv: list[str]) -> None:
         "outputs_equal": all(r["equal"] for r in results) and sweep_equal,
         "pair": head["pair"],
         "compile": cfg.compile,
+        "sweep_compile": cfg.sweep_compile,
     }
     for k in ("compile_gain_plain", "compile_gain_draft_model", "draft_vs_hf_assisted_eager",
               "ngram_vs_hf_prompt_lookup_eager"):
