@@ -49,26 +49,6 @@ class BatchProcessorRuntime:
 
 
 @dataclass
-class DecoderScratch:
-    """Buffers allocated once and reused by every batch (index ramps)."""
-
-    arange: torch.Tensor  # [max_tokens] int64: 0, 1, 2, ...
-
-    # Made in inference mode, like every other input of a step: a compiled
-    # decoder guards on that, and a mix would compile each graph twice.
-    @classmethod
-    @torch.inference_mode()
-    def allocate(cls, max_tokens: int, device: torch.device | str = "cpu") -> DecoderScratch:
-        return cls(arange=torch.arange(max_tokens, dtype=torch.long, device=device))
-
-    @torch.inference_mode()
-    def ramp(self, n: int) -> torch.Tensor:
-        if n > self.arange.shape[0]:
-            self.arange = torch.arange(2 * n, dtype=torch.long, device=self.arange.device)
-        return self.arange[:n]
-
-
-@dataclass
 class PackedBatch:
     """A packed batch plus the host-side facts the caller needs to finish a step."""
 
@@ -90,7 +70,6 @@ class DecoderBatchProcessor:
         if inputs:
             self.bind_input_tree(OrderedDict((s.name, s) for s in inputs))
         self.constant_inputs: Any | None = None  # deployment-lifetime constant inputs
-        self.scratch: DecoderScratch | None = None  # set by the pipeline model
         self.state_store: RequestStateStore | None = None  # set by the pipeline model
         self._ep_initializer: Any | None = None
 
@@ -347,7 +326,6 @@ def split_replicas(inputs: DecoderInputs, n_logits: int) -> list[DecoderInputs]:
 __all__ = [
     "BatchProcessorRuntime",
     "DecoderBatchProcessor",
-    "DecoderScratch",
     "PackedBatch",
     "split_replicas",
 ]

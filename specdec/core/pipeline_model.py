@@ -25,7 +25,6 @@ from torch import nn
 from specdec.core.batch_processor import (
     BatchProcessorRuntime,
     DecoderBatchProcessor,
-    DecoderScratch,
     PackedBatch,
     split_replicas,
 )
@@ -188,7 +187,6 @@ def registered_pipeline_model(
     if specs:
         store = RequestStateStore(specs, max_batch_size=runtime.max_batch_size, device=runtime.device)
     processor = processor_cls(config, rt)
-    processor.scratch = DecoderScratch.allocate(runtime.max_batch_size * (runtime.max_seq_len + extra_tokens), runtime.device)
     return DecoderPipelineModel(modules, config, processor, store, path=loaded.path, compiled=runtime.compile)
 
 
