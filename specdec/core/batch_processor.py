@@ -296,7 +296,7 @@ def split_replicas(inputs: DecoderInputs, n_logits: int) -> list[DecoderInputs]:
     assert ctx_len is not None
     # Token offsets per replica from the per-request row counts.
     lens = torch.bincount(inputs.out_index // q, minlength=inputs.q_index.shape[0])
-    tok_off = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lens, 0)])
+    tok_off = torch.cat([torch.zeros(1, dtype=torch.long, device=lens.device), torch.cumsum(lens, 0)])
     out = []
     for r in range(len(splits) - 1):
         a, b = splits[r], splits[r + 1]
