@@ -11,10 +11,15 @@ greedy decoding. Then a batch sweep: our speculation against our plain
 decoding (transformers' assisted generation runs at batch 1 only, so its
 plain batched ``generate`` is the reference there).
 
+Ours runs with ``runtime.compile`` (``compile=true``, the default) and, at
+batch 1, eager beside it: the headline figures are the compiled ones, and
+``compile_gain_*`` / ``*_eager`` give the eager side. ``quick=true`` runs the
+sweep eager (``sweep_compile``) to stay near a minute.
+
 Writes a table, ``compare_hf.json`` and ``compare_hf.png`` (into ``out=``,
 default ``outputs/bench``), and ends with one JSON line: ``draft_vs_hf_assisted``,
 ``ngram_vs_hf_prompt_lookup``, ``efficiency_batch1``, ``min_spec_vs_plain``,
-``outputs_equal``.
+``outputs_equal`` (and the compile figures).
 """
 
 from __future__ import annotations
