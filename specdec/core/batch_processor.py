@@ -184,9 +184,9 @@ class DecoderBatchProcessor:
         for c, ln in zip(ctxs, lens):
             c.kv[name].num_tokens += ln
         inputs.data_parallel_splits = splits
-        if torch.device(rt.device).type != "cpu":  # packed on the host; the model reads them on its device
-            inputs = move_tensors(inputs, rt.device)
-            draft_index = draft_index.to(rt.device, non_blocking=True) if draft_index is not None else None
+        inputs = move_tensors(inputs, rt.device)  # packed on the host; the model reads them on its device
+        if draft_index is not None:
+            draft_index = draft_index.to(rt.device, non_blocking=True)
         return PackedBatch(inputs, ctxs, num_new, look, draft_index, return_n_logits)
 
     def prepare_next_token_inputs(self, replica_batches: Sequence[Sequence[TextContext]]) -> PackedBatch:

@@ -85,9 +85,12 @@ D = TypeVar("D")
 
 
 def move_tensors(obj: D, device: torch.device | str) -> D:
-    """A copy of dataclass ``obj`` with its tensor fields (and those of nested
-    dataclasses) on ``device``; ``obj`` itself when nothing moves. The packers
-    build index tensors on the host; this puts a step's inputs where the model is."""
+    """A copy of host-built dataclass ``obj`` with its tensor fields (and those
+    of nested dataclasses) on ``device``; ``obj`` itself when nothing moves.
+    The packers build a step's index tensors on the host; this puts them where
+    the model is. For a CPU model it returns at once (nothing to move)."""
+    if torch.device(device).type == "cpu":
+        return obj
     changes: dict[str, Any] = {}
     for f in fields(obj):  # type: ignore[arg-type]
         v = getattr(obj, f.name)

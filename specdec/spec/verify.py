@@ -67,7 +67,7 @@ def verify_greedy(
     the argmax row cut after the first mismatch: no gather or scatter needed.
     """
     argmax = greedy_tokens(target_logits)  # [B, γ+1]
-    b, g = draft_tokens.shape
+    g = draft_tokens.shape[1]
     ar = torch.arange(g + 1, device=argmax.device)
     accept = (draft_tokens == argmax[:, :g]) & (ar[:g] < num_draft.unsqueeze(1))  # [B, γ]
     num_accepted = accept.cumprod(dim=1).sum(dim=1)  # [B]

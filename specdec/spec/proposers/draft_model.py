@@ -148,7 +148,7 @@ class DraftModelProposer(Proposer):
         gather = tbl[:, np.minimum(p // bs, tbl.shape[1] - 1)] * bs + p % bs  # [B, S]
         for c in batch:
             c.kv[self.cache_name].num_tokens += steps
-        batch_out = DraftModelBatch(
+        return move_tensors(DraftModelBatch(
             gamma=gamma,
             num_draft=torch.tensor(num_draft, dtype=torch.long),
             first_position=torch.from_numpy(lens),
@@ -157,9 +157,7 @@ class DraftModelProposer(Proposer):
             step_slots=torch.from_numpy(slots),
             gather_slots=torch.from_numpy(np.ascontiguousarray(gather)),  # fancy indexing may give F order
             max_len=int(lens.max()),
-        )
-        dev = torch.device(proc.runtime.device)
-        return batch_out if dev.type == "cpu" else move_tensors(batch_out, dev)
+        ), proc.runtime.device)
 
     def draft_cost(self, batch_size: int, context_len: int) -> float:
         return forward_time(self.pipeline, batch_size, max(context_len, batch_size), repeats=7, stat="min")

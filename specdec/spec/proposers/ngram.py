@@ -93,13 +93,12 @@ class NgramProposer(Proposer):
         found = [len(p) for p in props]
         gamma = max(found)  # the step verifies only as many rows as were found
         rows = [p + [0] * (gamma - len(p)) for p in props]
-        out = NgramDraftBatch(
+        return move_tensors(NgramDraftBatch(
             gamma=gamma,
             num_draft=torch.tensor(found, dtype=torch.long),
             first_position=torch.tensor([len(c.tokens) for c in batch], dtype=torch.long),
             tokens=torch.tensor(rows, dtype=torch.long).view(len(batch), gamma),
-        )
-        return out if self.device.type == "cpu" else move_tensors(out, self.device)
+        ), self.device)
 
     def free(self, ctx: TextContext) -> None:
         self._index.pop(ctx.request_id, None)
