@@ -242,10 +242,10 @@ def _pack(
     local = np.arange(t) - offset[req]  # [T] index within the request's new tokens
     positions = start[req] + local  # [T]
     tbl = block_table_array(tables)  # [B, max_blocks]
-    slot_mapping = tbl[req, positions // bs] * bs + positions % bs  # [T]
     ctx_len = start + ln  # [B]
     p = np.arange(int(ctx_len.max()))
-    gather_slots = tbl[:, p // bs] * bs + p % bs  # [B, S]
+    gather_slots = tbl[:, p // bs] * bs + p % bs  # [B, S] slot of each position
+    slot_mapping = gather_slots[req, positions]  # [T]
     qi = np.arange(int(ln.max()))[None, :]  # [1, Q]
     q_index = offset[:, None] + np.minimum(qi, ln[:, None] - 1)  # [B, Q]
     q_pos = np.where(qi < ln[:, None], start[:, None] + qi, 0)  # [B, Q]

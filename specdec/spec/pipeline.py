@@ -20,7 +20,7 @@ seed, acceptance counters and last draft tokens, addressed by slot.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -58,7 +58,7 @@ class DraftAndVerify(nn.Module):
     def forward(
         self,
         *,
-        target_inputs: DecoderInputs,  # packed; γ placeholder rows per request
+        target_inputs: DecoderInputs,  # packed; γ placeholder rows per request (drafts written in place)
         draft_index: torch.Tensor | None,  # [B, γ] packed rows of the placeholders (padded: see _pack)
         draft: DraftBatch | None,  # None: γ = 0, plain decoding
         sampling: SamplingTensors,
@@ -78,7 +78,7 @@ class DraftAndVerify(nn.Module):
             if ragged:
                 real = (torch.arange(draft.gamma, device=idx.device) < num_draft.unsqueeze(1)).reshape(-1)
                 values = torch.where(real, values, target_inputs.tokens.index_select(0, idx))
-            target_inputs = replace(target_inputs, tokens=target_inputs.tokens.index_put((idx,), values))
+            target_inputs.tokens = target_inputs.tokens.index_put((idx,), values)
         else:
             draft_tokens = torch.zeros(b, 0, dtype=torch.long, device=num_draft.device)
             draft_probs = None
@@ -87,7 +87,9 @@ class DraftAndVerify(nn.Module):
         t2 = time.perf_counter()
         logits = logits.view(b, -1, logits.shape[-1])  # [B, γ+1, V]
         if sampling.all_greedy:
-            out, acc = verify_greedy(draft_tokens=draft_tokens, target_logits=logits, num_draft=num_draft)
+            # Not ragged: every request has the step's γ drafts, no per-request cut.
+            out, acc = verify_greedy(draft_tokens=draft_tokens, target_logits=logits,
+                                     num_draft=num_draft if ragged else None)
         else:
             assert positions is not None
             out, acc = verify_sampled(
@@ -122,8 +124,8 @@ def spec_state_specs() -> list[StateSpec]:
         StateSpec("temperature", torch.float32),
         StateSpec("top_k", torch.long),
         StateSpec("top_p", torch.float32, fill=1.0),
-        StateSpec("num_accepted", torch.long),  # last step's
-        StateSpec("draft_tokens", torch.long, ("max_draft",)),  # last step's proposals
+        StateSpec("num_accepted", torch.long),  # last step's (written when the proposer reads_step_state)
+        StateSpec("draft_tokens", torch.long, ("max_draft",)),  # last step's proposals (likewise)
     ]
 
 
@@ -178,6 +180,7 @@ class SpecDecodePipelineModel:
         # later request may reuse the id.
         self._running: dict[str, list[int]] = {}
         self._curves: tuple[CostCurve, CostCurve] | None = None
+        self._greedy: dict[int, SamplingTensors] = {}  # all-greedy sampling tensors per batch size
         if config.gamma_policy.adaptive:  # calibrate now, while the KV cache is empty
             self._cost_curves()
 
@@ -222,10 +225,14 @@ class SpecDecodePipelineModel:
     def _sampling(self, batch: list[TextContext]) -> SamplingTensors:
         temps = [c.sampling.temperature for c in batch]
         if all(t == 0 for t in temps):  # greedy reads no sampling tensor: skip the gathers
-            z = torch.zeros(len(batch), device=self.device)
-            zl = torch.zeros(len(batch), dtype=torch.long, device=self.device)
-            return SamplingTensors(temperature=z, top_k=zl, top_p=z, seeds=zl, all_greedy=True,
-                                   any_greedy=True, any_top_k=False, any_top_p=False)
+            greedy = self._greedy.get(len(batch))
+            if greedy is None:  # made once per batch size (nothing writes to them)
+                z = torch.zeros(len(batch), device=self.device)
+                zl = torch.zeros(len(batch), dtype=torch.long, device=self.device)
+                greedy = self._greedy[len(batch)] = SamplingTensors(
+                    temperature=z, top_k=zl, top_p=z, seeds=zl, all_greedy=True,
+                    any_greedy=True, any_top_k=False, any_top_p=False)
+            return greedy
         slots = torch.tensor([c.slot for c in batch], dtype=torch.long, device=self.device)
         g = self.state.gather
         return SamplingTensors(
@@ -300,7 +307,8 @@ class SpecDecodePipelineModel:
         packed = self.target.processor.prepare_initial_token_inputs(
             [batch], return_n_logits=gamma + 1, lookahead=look
         )
-        inputs = replace(packed.inputs, kv_cache=self.target.caches[0].tensors)
+        inputs = packed.inputs
+        inputs.kv_cache = self.target.caches[0].tensors
         sampling = self._sampling(batch)
         positions = None
         if not sampling.all_greedy:
@@ -317,15 +325,15 @@ class SpecDecodePipelineModel:
             positions=positions,
         )
         self.num_target_forwards += 1
-        slots = torch.tensor([c.slot for c in batch], dtype=torch.long, device=self.device)
-        self.state.scatter("num_accepted", slots, out.num_accepted)
-        if gamma:
-            self.state.tensors["draft_tokens"][slots, :gamma] = out.draft_tokens
+        if self.proposer.reads_step_state:
+            slots = torch.tensor([c.slot for c in batch], dtype=torch.long, device=self.device)
+            self.state.scatter("num_accepted", slots, out.num_accepted)
+            if gamma:
+                self.state.tensors["draft_tokens"][slots, :gamma] = out.draft_tokens
         tokens = out.tokens.tolist()  # the one host sync of the step
         accepted = out.num_accepted.tolist()
-        nd = num_draft.tolist()
         new: list[list[int]] = []
-        for c, toks, k, n, ln, g in zip(batch, tokens, accepted, nd, lens, gammas):
+        for c, toks, k, n, ln, g in zip(batch, tokens, accepted, look, lens, gammas):
             self.counts.setdefault(c.request_id, SpecCounts()).record(n, k)
             running = self._running.setdefault(c.request_id, [0, 0])
             running[0] += k

@@ -59,7 +59,7 @@ def verify_greedy(
     *,
     draft_tokens: torch.Tensor,  # [B, γ] int64
     target_logits: torch.Tensor,  # [B, γ+1, V]
-    num_draft: torch.Tensor,  # [B] int64, each request's γ (<= the padded γ)
+    num_draft: torch.Tensor | None,  # [B] int64, each request's γ (<= the padded γ); None: all γ
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification -> ``(output_tokens [B, γ+1] (-1 past the end), num_accepted [B])``.
 
@@ -69,7 +69,9 @@ def verify_greedy(
     argmax = greedy_tokens(target_logits)  # [B, γ+1]
     g = draft_tokens.shape[1]
     ar = torch.arange(g + 1, device=argmax.device)
-    accept = (draft_tokens == argmax[:, :g]) & (ar[:g] < num_draft.unsqueeze(1))  # [B, γ]
+    accept = draft_tokens == argmax[:, :g]  # [B, γ]
+    if num_draft is not None:
+        accept &= ar[:g] < num_draft.unsqueeze(1)
     num_accepted = accept.cumprod(dim=1).sum(dim=1)  # [B]
     return argmax.masked_fill(ar > num_accepted.unsqueeze(1), -1), num_accepted
 

@@ -103,6 +103,15 @@ def test_greedy_per_request_gamma() -> None:
     ]
 
 
+def test_greedy_num_draft_none_means_every_request_has_gamma() -> None:
+    drafts = [[5, 7, 9], [1, 2, 3], [4, 4, 4]]
+    logits = logits_with_argmax([[5, 7, 2, 4], [1, 2, 3, 8], [0, 4, 4, 4]])
+    full = verify_greedy(draft_tokens=L(drafts), target_logits=logits, num_draft=L([3, 3, 3]))
+    none = verify_greedy(draft_tokens=L(drafts), target_logits=logits, num_draft=None)
+    assert none[1].tolist() == full[1].tolist() == [2, 3, 0]
+    assert none[0].tolist() == full[0].tolist()
+
+
 def test_greedy_zero_width_draft_is_plain_decoding() -> None:
     # No speculation in the whole batch: drafts [B, 0], one logit row per request.
     out, acc = verify_greedy(

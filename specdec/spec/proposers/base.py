@@ -62,6 +62,10 @@ class Proposer(ABC):
     """Host half of a drafting method."""
 
     name: ClassVar[str] = ""
+    # True: the drafter reads the last step's results from the shared state
+    # store (``num_accepted``, ``draft_tokens``; EAGLE-style drafters condition
+    # on them), so the pipeline writes them each step. Off, it skips the writes.
+    reads_step_state: ClassVar[bool] = False
     drafter: Drafter
 
     @abstractmethod

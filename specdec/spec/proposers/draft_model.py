@@ -10,7 +10,7 @@ host round trip. Its paged KV cache is rolled back in step with the target's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -59,24 +59,32 @@ class DraftModelDrafter(Drafter):
     def __init__(self, pipeline: DecoderPipelineModel) -> None:
         super().__init__()
         self.decoder = pipeline.module
-        self._pipeline = pipeline  # the KV storage lives with the pipeline model
+        self._row_cache: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}
+
+    def _rows(self, b: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """The one-token steps' row indices for ``b`` requests (read-only, made once per size):
+        ``out_index`` [B], ``logit_index`` [B], ``q_index`` [B, 1]. Distinct
+        tensors: a compiled decoder guards on inputs aliasing each other."""
+        rows = self._row_cache.get((b, device))
+        if rows is None:
+            rows = self._row_cache[(b, device)] = (
+                torch.arange(b, device=device), torch.arange(b, device=device),
+                torch.arange(b, device=device).unsqueeze(1))
+        return rows
 
     def forward(self, batch: DraftModelBatch, sampling: SamplingTensors) -> DraftOutput:  # type: ignore[override]
-        assert batch.catch_up is not None
-        kv = self._pipeline.caches[0].tensors
-        logits = self.decoder(replace(batch.catch_up, kv_cache=kv)).logits  # [B, V]
+        assert batch.catch_up is not None and batch.catch_up.kv_cache is not None
+        kv = batch.catch_up.kv_cache
+        logits = self.decoder(batch.catch_up).logits  # [B, V]
         b = logits.shape[0]
-        # Distinct tensors: a compiled decoder guards on inputs aliasing each other.
-        dev = logits.device
-        out_rows, logit_rows = torch.arange(b, device=dev), torch.arange(b, device=dev)
-        q_index = torch.arange(b, device=dev).unsqueeze(1)
+        out_rows, logit_rows, q_index = self._rows(b, logits.device)
         toks, probs = [], []
         for j in range(batch.gamma):
-            pos = batch.first_position + j  # [B] position the draft token will take
             if sampling.all_greedy:
                 t = greedy_tokens(logits)
             else:
                 p = probs_from_logits(logits.unsqueeze(1), sampling).squeeze(1)  # [B, V]
+                pos = batch.first_position + j  # [B] position the draft token will take
                 t = sample_from(p, sampling.seeds, pos, LANE_DRAFT)
                 probs.append(p)
             toks.append(t)
@@ -84,13 +92,14 @@ class DraftModelDrafter(Drafter):
                 # Keys through this step's position only: for one request that is
                 # exactly its context (no mask needed); a batch masks the rest.
                 n_keys = batch.max_len + j + 1
+                step_pos = batch.step_positions[j]  # [B]
                 step = DecoderInputs(
                     tokens=t,
-                    positions=batch.step_positions[j],
+                    positions=step_pos,
                     slot_mapping=batch.step_slots[j],
                     gather_slots=batch.gather_slots[:, :n_keys].contiguous(),  # strides of a view recompile
                     q_index=q_index,
-                    q_pos=batch.step_positions[j].unsqueeze(1),
+                    q_pos=step_pos.unsqueeze(1),
                     out_index=out_rows,
                     logit_index=logit_rows,
                     kv_cache=kv,
@@ -137,15 +146,16 @@ class DraftModelProposer(Proposer):
     def prepare(self, batch: list[TextContext], gamma: int, num_draft: list[int]) -> DraftModelBatch:
         proc = self.pipeline.processor
         packed = proc.prepare_initial_token_inputs([batch], return_n_logits=1)
+        packed.inputs.kv_cache = self.pipeline.caches[0].tensors  # the catch-up and every step use it
         bs = self.pipeline.caches[0].block_size
         steps = max(gamma - 1, 0)
         # Positions and KV slots of the γ-1 one-token steps, on the host (numpy).
         lens = np.asarray([len(c.tokens) for c in batch], dtype=np.int64)  # [B] first draft position
         tbl = block_table_array([c.kv[self.cache_name].blocks for c in batch])  # [B, max_blocks]
-        pos = lens[None, :] + np.arange(steps)[:, None]  # [γ-1, B]
-        slots = np.take_along_axis(tbl, (pos // bs).T, axis=1).T * bs + pos % bs  # [γ-1, B]
         p = np.arange(int(lens.max()) + steps)
-        gather = tbl[:, np.minimum(p // bs, tbl.shape[1] - 1)] * bs + p % bs  # [B, S]
+        gather = tbl[:, np.minimum(p // bs, tbl.shape[1] - 1)] * bs + p % bs  # [B, S] slot of each position
+        pos = lens[None, :] + np.arange(steps)[:, None]  # [γ-1, B]
+        slots = gather[np.arange(len(batch))[None, :], pos]  # [γ-1, B]
         for c in batch:
             c.kv[self.cache_name].num_tokens += steps
         return move_tensors(DraftModelBatch(
