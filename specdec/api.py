@@ -98,14 +98,4 @@ class LLM:
                 ctx = engine.add_request(ids, sp, request_id=rid)
             ctxs.append(ctx)
         engine.run()
-        return [
-            GenerationOutput(
-                request_id=c.request_id,
-                token_ids=c.generated,
-                text=self.decode(c.generated),
-                finish_reason=c.finish_reason,
-                error=c.error,
-                prompt_len=c.prompt_len,
-            )
-            for c in ctxs
-        ]
+        return [GenerationOutput.from_context(c, self.decode(c.generated)) for c in ctxs]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import operator
 import random
+import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,27 @@ class GenerationOutput:
     finish_reason: str | None
     error: str | None = None
     prompt_len: int = 0
+    # Timing (seconds, host clock; None for a rejected request). ttft_s: queued
+    # to the first emitted tokens. decode_s: from then to the end, in which the
+    # request emitted decode_tokens more (the first step's are not counted).
+    ttft_s: float | None = None
+    decode_s: float | None = None
+    decode_tokens: int = 0
+
+    @classmethod
+    def from_context(cls, ctx: TextContext, text: str | None = None) -> GenerationOutput:
+        timed = None not in (ctx.t_added, ctx.t_first_token, ctx.t_finished)
+        return cls(
+            request_id=ctx.request_id,
+            token_ids=ctx.generated,
+            text=text,
+            finish_reason=ctx.finish_reason,
+            error=ctx.error,
+            prompt_len=ctx.prompt_len,
+            ttft_s=ctx.t_first_token - ctx.t_added if timed else None,  # type: ignore[operator]
+            decode_s=ctx.t_finished - ctx.t_first_token if timed else None,  # type: ignore[operator]
+            decode_tokens=ctx.num_generated - ctx.num_first_tokens if timed else 0,
+        )
 
 
 @dataclass
@@ -98,6 +120,7 @@ class Engine:
             ctx.reject(str(e))
             self.finished.append(ctx)
             return ctx
+        ctx.t_added = time.perf_counter()
         ctx.seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
         ctx.replica = next(self._next_replica) % self.num_replicas
         self.waiting.append(ctx)
@@ -202,6 +225,7 @@ class Engine:
         if not batch:
             return []
         new_tokens = self.pipeline.step(batch, num_new)
+        now = time.perf_counter()
         self.stats.steps += 1
         self.stats.step_batch_sizes.append(len(batch))
         done = []
@@ -209,10 +233,13 @@ class Engine:
             if not toks:
                 continue
             kept = ctx.append(toks)
+            if ctx.t_first_token is None:
+                ctx.t_first_token, ctx.num_first_tokens = now, len(kept)
             self.stats.tokens_generated += len(kept)
             if not ctx.done and len(ctx.tokens) >= self.pipeline.max_seq_len:
                 ctx.finish("length")
             if ctx.done:
+                ctx.t_finished = now
                 done.append(ctx)
         for ctx in done:
             self.pipeline.free(ctx)

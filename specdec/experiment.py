@@ -323,19 +323,20 @@ class Runner:
 
     def forward_times(self, ctx_len: int) -> dict[str, dict[str, float]]:
         """Bare forward times per method, for the analytic limit (seconds, medians)."""
-        from specdec.spec.forward_time import forward_time
+        from specdec.spec.forward_time import forward_times
 
-        t1 = forward_time(self.plain.pipeline.target, 1, ctx_len)
-        out = {}
+        runs = {"t1": (self.plain.pipeline.target, 1)}
         for name, g in self.gammas.items():
             pipe = self.llms[name].pipeline
+            runs[f"{name}/tg"] = (pipe.target, g + 1)
             draft_pm = getattr(pipe.proposer, "pipeline", None)
-            out[name] = {
-                "t_target_1": t1,
-                "t_target_g1": forward_time(pipe.target, g + 1, ctx_len),
-                "t_draft_1": forward_time(draft_pm, 1, ctx_len) if draft_pm is not None else 0.0,
-            }
-        return out
+            if draft_pm is not None:
+                runs[f"{name}/td"] = (draft_pm, 1)
+        t = forward_times(runs, ctx_len)  # interleaved: their ratios are what the limit uses
+        return {
+            name: {"t_target_1": t["t1"], "t_target_g1": t[f"{name}/tg"], "t_draft_1": t.get(f"{name}/td", 0.0)}
+            for name in self.gammas
+        }
 
     def warmup(self, reqs: Sequence[Request], n: int, tokens: int) -> None:
         if not n or not reqs:

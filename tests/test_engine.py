@@ -431,3 +431,21 @@ def test_request_too_big_for_the_whole_cache_is_rejected_alone(ckpt):
     assert big.status is Status.REJECTED
     assert "'big'" in big.error and "KV blocks" in big.error
     assert pm.caches[0].allocator.num_free == 4  # nothing leaked
+
+
+def test_request_timing_fields(big_pipeline, ckpt):
+    from specdec.engine import GenerationOutput
+
+    _, hf = ckpt
+    engine = _engine(big_pipeline, max_batch_size=1)  # one at a time: the second waits for the first
+    a = engine.add_request(_prompts(1, [9], hf.config.vocab_size)[0], SamplingParams(max_new_tokens=6), "a")
+    b = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=4), "b")
+    bad = engine.add_request([], SamplingParams(), "bad")
+    engine.run()
+    oa, ob, obad = (GenerationOutput.from_context(c) for c in (a, b, bad))
+    # Plain decoding emits one token with the prefill, then one per step.
+    assert (oa.decode_tokens, ob.decode_tokens) == (5, 3)
+    assert a.t_added <= a.t_first_token <= a.t_finished <= b.t_first_token <= b.t_finished
+    assert oa.ttft_s > 0 and oa.decode_s > 0
+    assert ob.ttft_s > oa.ttft_s  # b queued behind all of a
+    assert obad.ttft_s is None and obad.decode_s is None and obad.decode_tokens == 0

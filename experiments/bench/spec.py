@@ -39,7 +39,7 @@ from specdec.api import LLM  # noqa: E402
 from specdec.core.context import SamplingParams  # noqa: E402
 from specdec.core.pipeline_model import RuntimeConfig  # noqa: E402
 from specdec.engine import EngineConfig  # noqa: E402
-from specdec.spec.forward_time import forward_time  # noqa: E402
+from specdec.spec.forward_time import forward_times  # noqa: E402
 from specdec.spec.metrics import analytic_limit  # noqa: E402
 from specdec.spec.proposers.draft_model import DraftModelConfig  # noqa: E402
 from specdec.spec.proposers.ngram import NgramConfig  # noqa: E402
@@ -110,10 +110,13 @@ def main(argv: list[str]) -> None:
 
     # Bare forward times at a typical context length, for the analytic limit.
     ctx_len = max(len(p) for p in prompts) + cfg.new_tokens // 2
-    t_target = {n: forward_time(plain.pipeline.target, n, ctx_len) for n in sorted({1, *(g + 1 for g in cfg.gammas)})}
-    t_draft = 0.0
+    sizes = sorted({1, *(g + 1 for g in cfg.gammas)})
+    bare = {f"target/{n}": (plain.pipeline.target, n) for n in sizes}
     if "draft_model" in cfg.proposers:
-        t_draft = forward_time(runs[("draft_model", cfg.gammas[0])].pipeline.proposer.pipeline, 1, ctx_len)
+        bare["draft"] = (runs[("draft_model", cfg.gammas[0])].pipeline.proposer.pipeline, 1)
+    times_bare = forward_times(bare, ctx_len, rounds=3 if cfg.quick else 5)  # interleaved
+    t_target = {n: times_bare[f"target/{n}"] for n in sizes}
+    t_draft = times_bare.get("draft", 0.0)
 
     rows, equal = [], True
     best = None

@@ -75,6 +75,12 @@ class TextContext:
     num_speculative_tokens: int | None = None  # None: the method's default γ
     arrival: int = 0  # admission order (preemption picks the newest)
     replica: int = 0  # data-parallel replica serving this request
+    # Host clock (time.perf_counter), set by the engine: queued, first tokens
+    # emitted (how many that step emitted: speculation may emit several), done.
+    t_added: float | None = None
+    t_first_token: float | None = None
+    num_first_tokens: int = 0
+    t_finished: float | None = None
 
     @property
     def generated(self) -> list[int]:
