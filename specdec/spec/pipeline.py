@@ -249,20 +249,24 @@ class SpecDecodePipelineModel:
     @torch.inference_mode()
     def step(self, batch: list[TextContext], num_new: list[int]) -> list[list[int]]:
         result: dict[int, list[int]] = {}
+        # Partial prefill chunks: the target sees them, nothing is emitted.
         chunks = [(c, n) for c, n in zip(batch, num_new) if n != self.unprocessed(c)]
         spec = [c for c, n in zip(batch, num_new) if n == self.unprocessed(c)]
-        if chunks:  # partial prefill: the target sees a chunk, nothing is emitted
-            packed = self.target.processor.prepare_initial_token_inputs(
-                [[c for c, _ in chunks]], num_tokens=[n for _, n in chunks]
-            )
-            self.target.execute(packed)
-            self.num_target_forwards += 1
-            for c, _ in chunks:
-                result[id(c)] = []
+        for c, _ in chunks:
+            result[id(c)] = []
         if spec:
-            for c, toks in zip(spec, self._spec_step(spec)):
+            for c, toks in zip(spec, self._spec_step(spec, chunks)):
                 result[id(c)] = toks
+        elif chunks:
+            self._prefill_chunks(chunks)
         return [result[id(c)] for c in batch]
+
+    def _prefill_chunks(self, chunks: list[tuple[TextContext, int]]) -> None:
+        packed = self.target.processor.prepare_initial_token_inputs(
+            [[c for c, _ in chunks]], num_tokens=[n for _, n in chunks]
+        )
+        self.target.execute(packed)
+        self.num_target_forwards += 1
 
     def _cost_curves(self) -> tuple[CostCurve, CostCurve]:
         """T_target(n tokens) and T_draft(batch) from a short calibration (first use)."""
@@ -287,7 +291,9 @@ class SpecDecodePipelineModel:
         tt, td = self._cost_curves()
         return choose_gamma(accept, max(gammas), tt, td, pol.min_gain)
 
-    def _spec_step(self, batch: list[TextContext]) -> list[list[int]]:
+    def _spec_step(self, batch: list[TextContext], chunks: list[tuple[TextContext, int]]) -> list[list[int]]:
+        """One draft-and-verify step for ``batch``; runs the prefill ``chunks`` too
+        (in the same target forward when nothing is drafted, as plain decoding would)."""
         gammas = [self.gamma_for(c) for c in batch]
         if self.config.gamma_policy.adaptive and max(gammas) > 0:
             g = self._policy_gamma(batch, gammas)
@@ -300,16 +306,23 @@ class SpecDecodePipelineModel:
             # miss): verify only those, not γ placeholder rows.
             gamma = draft.gamma
             draft = draft if gamma else None
-        num_draft = draft.num_draft if draft is not None else torch.zeros(len(batch), dtype=torch.long, device=self.device)
-        look = num_draft.tolist() if gamma else [0] * len(batch)
+        fed, num_tokens = batch, None
+        if chunks and gamma == 0:  # one forward for all: the chunks' rows are verified and dropped
+            fed = batch + [c for c, _ in chunks]
+            num_tokens = [self.unprocessed(c) for c in batch] + [n for _, n in chunks]
+            lens = lens + [c.processed(self.target.cache_name) + n for c, n in chunks]
+        elif chunks:
+            self._prefill_chunks(chunks)
+        num_draft = draft.num_draft if draft is not None else torch.zeros(len(fed), dtype=torch.long, device=self.device)
+        look = num_draft.tolist() if gamma else [0] * len(fed)
         # Each request verifies only its own drafts (no placeholder rows for
         # the padding up to the step's γ).
         packed = self.target.processor.prepare_initial_token_inputs(
-            [batch], return_n_logits=gamma + 1, lookahead=look
+            [fed], return_n_logits=gamma + 1, lookahead=look, num_tokens=num_tokens
         )
         inputs = packed.inputs
         inputs.kv_cache = self.target.caches[0].tensors
-        sampling = self._sampling(batch)
+        sampling = self._sampling(fed)
         positions = None
         if not sampling.all_greedy:
             positions = torch.tensor(lens, dtype=torch.long, device=self.device).unsqueeze(1) + torch.arange(
@@ -327,7 +340,7 @@ class SpecDecodePipelineModel:
         self.num_target_forwards += 1
         if self.proposer.reads_step_state:
             slots = torch.tensor([c.slot for c in batch], dtype=torch.long, device=self.device)
-            self.state.scatter("num_accepted", slots, out.num_accepted)
+            self.state.scatter("num_accepted", slots, out.num_accepted[: len(batch)])  # not the chunks' rows
             if gamma:
                 self.state.tensors["draft_tokens"][slots, :gamma] = out.draft_tokens
         tokens = out.tokens.tolist()  # the one host sync of the step
@@ -338,8 +351,10 @@ class SpecDecodePipelineModel:
             running = self._running.setdefault(c.request_id, [0, 0])
             running[0] += k
             running[1] += g
-            # Target keeps the committed tokens but the last (it is fed next step).
-            self.target.truncate(c, ln + k)
+            # Target keeps the committed tokens but the last (it is fed next step):
+            # it was fed through ln + n, so only rejected drafts (n > k) roll back.
+            if n > k:
+                self.target.truncate(c, ln + k)
             self.proposer.commit(c, ln + k + 1)
             new.append(toks[: k + 1])
         return new

@@ -291,6 +291,20 @@ def test_chunked_prefill(tiny_llama, generate, method) -> None:
 
 
 @pytest.mark.parametrize("method", list(METHODS))
+def test_chunks_share_the_forward_of_a_step_that_drafts_nothing(tiny_llama, generate, method) -> None:
+    # γ = 0 (as adaptive γ picks for large batches): a step with prefill chunks
+    # and decoding requests runs one target forward, as plain decoding does.
+    target = _target(tiny_llama, "loopy")
+    ps = _rand_prompts(9, 6, lo=15, hi=50)
+    sp = SamplingParams(max_new_tokens=12)
+    ec = EngineConfig(max_batch_size=16, max_tokens_per_step=7)
+    ref, plain = generate(target, None, ps, sp, engine=ec)
+    out, llm = generate(target, METHODS[method](tiny_llama, 0), ps, sp, engine=ec)
+    assert out == ref
+    assert llm.pipeline.num_target_forwards == plain.pipeline.num_forwards
+
+
+@pytest.mark.parametrize("method", list(METHODS))
 def test_per_request_gamma_in_one_batch(tiny_llama, generate, method) -> None:
     # Each context its own γ (None: the method's, 6), including 0 (plain decoding).
     target = _target(tiny_llama, "loopy")

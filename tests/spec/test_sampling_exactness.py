@@ -251,3 +251,20 @@ def test_top_k_1_sampling_equals_greedy_for_every_seed(models, generate) -> None
     outs, _ = generate(target, None, [prompt] * len(seeds),
                        [SamplingParams(temperature=1.0, top_k=1, seed=s, max_new_tokens=3) for s in seeds])
     assert outs == [greedy] * len(seeds)
+
+
+@pytest.mark.parametrize("proposer", ["draft_model", "ngram"])
+def test_gamma_0_sampling_with_prefill_chunks_equals_plain_sampling_seed_for_seed(models, generate, proposer) -> None:
+    # γ = 0: a step's prefill chunks share its target forward (their rows are
+    # sampled and dropped). Counter-based draws: the same seeds give plain
+    # decoding's tokens exactly.
+    target = models["target"]
+    method = (DraftModelConfig(path=str(models["perturbed"].path), num_speculative_tokens=0)
+              if proposer == "draft_model" else NgramConfig(num_speculative_tokens=0))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, V, int(rng.integers(3, 12))).tolist() for _ in range(12)]
+    sps = [SamplingParams(seed=100 + i, max_new_tokens=6, **TOPK_TOPP) for i in range(len(prompts))]
+    ec = EngineConfig(max_batch_size=8, max_tokens_per_step=9)  # prompts arrive in chunks beside decoding
+    ref, _ = generate(target, None, prompts, sps, engine=ec, max_seq_len=32)
+    out, _ = generate(target, method, prompts, sps, engine=ec, max_seq_len=32)
+    assert out == ref
