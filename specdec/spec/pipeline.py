@@ -347,7 +347,10 @@ class SpecDecodePipelineModel:
         accepted = out.num_accepted.tolist()
         new: list[list[int]] = []
         for c, toks, k, n, ln, g in zip(batch, tokens, accepted, look, lens, gammas):
-            self.counts.setdefault(c.request_id, SpecCounts()).record(n, k)
+            counts = self.counts.get(c.request_id)
+            if counts is None:
+                counts = self.counts[c.request_id] = SpecCounts()
+            counts.record(n, k)
             running = self._running.setdefault(c.request_id, [0, 0])
             running[0] += k
             running[1] += g
