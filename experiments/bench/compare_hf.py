@@ -14,9 +14,9 @@ plain batched ``generate`` is the reference there).
 Ours runs with ``runtime.compile`` (``compile=true``, the default) and, at
 batch 1, eager beside it: the headline figures are the compiled ones, and
 ``compile_gain_*`` / ``*_eager`` give the eager side. ``quick=true`` stays
-under a minute: 3 prompts x 48 tokens, two passes, no eager batch-1 rows, and
-an eager sweep (``sweep_compile``) of two passes per point without HF's
-batched reference.
+under a minute: 3 prompts x 64 tokens, two passes of ours and one of HF's, no
+eager batch-1 rows, and an eager sweep (``sweep_compile``) of three passes per
+point (two at batch 64) without HF's batched reference.
 
 Efficiency is speedup / analytic limit, the limit from bare forward times
 timed interleaved (``forward_times``). The limit is a per-step model of
@@ -77,6 +77,7 @@ class CompareConfig:
     num_prompts: int = 8
     new_tokens: int = 64
     repeats: int = 3
+    hf_repeats: int | None = None  # timed passes of the HF runners (None: repeats)
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
     sweep_new_tokens: int = 32
     sweep_min_requests: int = 16  # per point, so small batches time more than one short request
@@ -84,6 +85,10 @@ class CompareConfig:
     # Timed passes per sweep point. The headline is the *lowest* of 8 ratios,
     # so each must be steady: a 2-3% wobble per ratio would pull it down.
     sweep_repeats: int = 5
+    # If set, a point whose passes already time this many tokens in fewer
+    # passes runs only those (at least 2): quick spends its time on the small,
+    # noisy points, not on batch 64.
+    sweep_pass_tokens: int = 0
     sweep_hf: bool = True  # time transformers' batched plain generate beside (a reference column only)
     out: str = "outputs/bench"
     threads: int = 2
@@ -154,8 +159,11 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
     decode_rates: dict[str, list[float]] = {k: [] for k in ours}  # decode phase only (after the first step)
     first_steps: dict[str, list[float]] = {k: [] for k in ours}  # seconds of each pass's first steps, summed
     outs: dict[str, list[list[int]]] = {}
-    for _ in range(cfg.repeats):
+    hf_passes = cfg.repeats if cfg.hf_repeats is None else cfg.hf_repeats
+    for r in range(cfg.repeats):
         for k, fn in runners.items():
+            if k not in ours and r >= hf_passes:
+                continue
             if k in ours and hasattr(ours[k].pipeline, "counts"):
                 ours[k].pipeline.counts.clear()
             t, o = timed(fn)
@@ -253,7 +261,10 @@ def sweep(cfg: CompareConfig, target: Path, draft: Path, prompts: list[list[int]
         times: dict[str, list[float]] = {k: [] for k in [*llms, "hf plain"]}
         outs = {}
         order = list(llms)
-        for r in range(cfg.sweep_repeats):
+        reps = cfg.sweep_repeats
+        if cfg.sweep_pass_tokens:
+            reps = max(2, min(reps, -(-cfg.sweep_pass_tokens // (len(ps) * n))))
+        for r in range(reps):
             for k in order[r % len(order):] + order[: r % len(order)]:  # rotated: no runner always goes first
                 t, o = timed(lambda llm=llms[k]: llm.generate(ps, sp))
                 times[k].append(t)
@@ -270,7 +281,7 @@ def sweep(cfg: CompareConfig, target: Path, draft: Path, prompts: list[list[int]
                      "ngram_vs_plain": tps["ngram"] / tps["plain"], "equal": eq})
     mode = "compiled" if cfg.sweep_compile else "eager"
     print_table(rows, f"batch sweep, greedy, {n} new tokens, adaptive γ <= {cfg.gamma}, ours {mode}, "
-                      f"medians of {cfg.sweep_repeats}")
+                      f"medians of up to {cfg.sweep_repeats} passes")
     return rows, equal
 
 
@@ -307,9 +318,12 @@ def main(argv: list[str]) -> None:
     cfg = parse_overrides(CompareConfig, argv)
     torch.set_num_threads(cfg.threads)
     if cfg.quick:
-        # Two passes of the headline runners; eager's batch-1 rows (compile_gain_*) are left out.
+        # Two passes of ours, one of HF's (its figures have wide margins); eager's
+        # batch-1 rows (compile_gain_*) are left out.
         cfg.pairs, cfg.repeats, cfg.num_prompts, cfg.new_tokens, cfg.batch1_eager = ["builtin"], 2, 3, 64, False
-        cfg.batch_sizes, cfg.sweep_new_tokens, cfg.sweep_min_requests, cfg.sweep_repeats = [1, 4, 16, 64], 24, 4, 2
+        cfg.hf_repeats = 1
+        cfg.batch_sizes, cfg.sweep_new_tokens, cfg.sweep_min_requests, cfg.sweep_repeats = [1, 4, 16, 64], 24, 4, 3
+        cfg.sweep_pass_tokens = 2 * 64 * 24  # batch 64: two passes
         cfg.sweep_hf = False
         if cfg.sweep_compile is None:
             cfg.sweep_compile = False
