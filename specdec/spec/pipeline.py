@@ -58,7 +58,7 @@ class DraftAndVerify(nn.Module):
     def forward(
         self,
         *,
-        target_inputs: DecoderInputs,  # packed; γ placeholder rows per request (drafts written in place)
+        target_inputs: DecoderInputs,  # packed; γ placeholder rows per request (its tokens field gets the drafts)
         draft_index: torch.Tensor | None,  # [B, γ] packed rows of the placeholders (padded: see _pack)
         draft: DraftBatch | None,  # None: γ = 0, plain decoding
         sampling: SamplingTensors,
