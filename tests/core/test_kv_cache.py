@@ -41,6 +41,19 @@ def test_allocator_hands_out_low_ids_first_and_never_twice():
     assert a.num_free == 0
 
 
+def test_allocator_hands_out_the_lowest_free_ids_whatever_the_free_order():
+    # Freed blocks come back in any order; the next allocation still takes the
+    # lowest free ids, in order, so blocks in use stay packed at the cache start.
+    a = BlockAllocator(10)
+    held = a.allocate(10)
+    a.free([held[i] for i in (7, 2, 9, 4)])
+    a.free([held[0]])
+    assert a.allocate(3) == [0, 2, 4]
+    a.free([8, 1])
+    assert a.allocate(4) == [1, 7, 8, 9]
+    assert a.num_free == 0
+
+
 def test_reserve_slots_truncate_rollback_worked_example():
     c = _cache(num_blocks=4, block_size=4)
     t = BlockTable()
