@@ -8,6 +8,7 @@ repeats) and medians are quoted.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -75,6 +76,15 @@ def builtin_prompts(tokenizer_dir: Path, n: int) -> list[list[int]] | None:
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Seconds ``fn()`` takes, and its result.
+
+    First it moves every object alive now (models, compiled graphs, the
+    libraries' own) out of the garbage collector's view (``gc.freeze``, as
+    serving engines do after start-up). Otherwise a full collection over the
+    benchmark process's ~600k objects (200-350 ms each, several per run) lands
+    inside whichever pass it happens to, ours or transformers', at random.
+    """
+    gc.freeze()
     t = time.perf_counter()
     out = fn()
     return time.perf_counter() - t, out
