@@ -112,7 +112,10 @@ class DecoderPipelineModel:
 
     # -- per-request KV bookkeeping ----------------------------------------------
     def table(self, ctx: TextContext) -> BlockTable:
-        return ctx.kv.setdefault(self.cache_name, BlockTable())
+        table = ctx.kv.get(self.cache_name)
+        if table is None:  # (not setdefault: that builds a BlockTable on every call)
+            table = ctx.kv[self.cache_name] = BlockTable()
+        return table
 
     def reserve(self, ctx: TextContext, num_tokens: int) -> None:
         self.caches[ctx.replica].reserve(self.table(ctx), num_tokens)

@@ -351,15 +351,17 @@ class SpecDecodePipelineModel:
             if counts is None:
                 counts = self.counts[c.request_id] = SpecCounts()
             counts.record(n, k)
-            running = self._running.setdefault(c.request_id, [0, 0])
-            running[0] += k
-            running[1] += g
+            new.append(toks[: k + 1])
+            if g:  # drafts were asked for (found or not): adaptive γ's running acceptance
+                running = self._running.setdefault(c.request_id, [0, 0])
+                running[0] += k
+                running[1] += g
             # Target keeps the committed tokens but the last (it is fed next step):
             # it was fed through ln + n, so only rejected drafts (n > k) roll back.
             if n > k:
                 self.target.truncate(c, ln + k)
-            self.proposer.commit(c, ln + k + 1)
-            new.append(toks[: k + 1])
+            if gamma:  # (a step that drafted nothing leaves the proposer nothing to forget)
+                self.proposer.commit(c, ln + k + 1)
         return new
 
     # -- figures ---------------------------------------------------------------------
