@@ -186,7 +186,8 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
     ctx_len = max(len(p) for p in prompts) + n // 2
     bare = forward_times({"t1": (dm.target, 1), "tg": (dm.target, cfg.gamma + 1), "td": (dm.proposer.pipeline, 1)},
                          ctx_len, rounds=3 if cfg.quick else 5)  # interleaved: the limit is their ratio
-    tau = dm.run_counts().tau
+    counts = dm.run_counts()  # the last timed pass's
+    tau = counts.tau
     limit = analytic_limit(tau=tau, gamma=cfg.gamma, t_target_1=bare["t1"], t_target_g1=bare["tg"],
                            t_draft_1=bare["td"])
     speedup = tps[_ours("draft_model", c)] / tps[_ours("plain", c)]
@@ -196,7 +197,7 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
     # The most an overhead-free framework could score end to end: both sides'
     # first steps as measured, every later step at its bare cost.
     first = {k: median(v) for k, v in first_steps.items()}
-    later_steps = dm.run_counts().steps - len(prompts)
+    later_steps = counts.steps - len(prompts)
     ideal_plain = first[_ours("plain", c)] + len(prompts) * (n - 1) * bare["t1"]
     ideal_spec = first[_ours("draft_model", c)] + later_steps * (bare["tg"] + cfg.gamma * bare["td"])
     e2e_cap = ideal_plain / ideal_spec / limit if limit else 0.0
