@@ -29,21 +29,18 @@ def build_pipeline(target: str | Path, method: Any | None, runtime: RuntimeConfi
     """The engine's pipeline: plain decoding when ``method`` is None, else speculation.
 
     ``method`` is a proposer config (``NgramConfig``, ``DraftModelConfig`` …):
-    its ``name`` finds the proposer class in the registry.
+    its class finds the proposer in the registry.
     """
     if method is None:
         return PlainGeneration(registered_pipeline_model(target, runtime), runtime.max_seq_len)
     from specdec.spec.gamma import GammaPolicyConfig
     from specdec.spec.pipeline import SpecConfig, SpecDecodePipelineModel
-    from specdec.spec.proposers import ProposerDeps, proposer_class
+    from specdec.spec.proposers import ProposerDeps, proposer_for
 
-    gamma = int(method.num_speculative_tokens)
+    gamma = method.num_speculative_tokens
     target_pm = registered_pipeline_model(target, runtime, extra_tokens=gamma + 1)
-    proposer = proposer_class(method.name)(method, ProposerDeps(runtime=runtime, target=target_pm))
-    spec = SpecConfig(
-        num_speculative_tokens=gamma,
-        gamma_policy=GammaPolicyConfig(adaptive=bool(getattr(method, "adaptive_gamma", False))),
-    )
+    proposer = proposer_for(method)(method, ProposerDeps(runtime=runtime, target=target_pm))
+    spec = SpecConfig(num_speculative_tokens=gamma, gamma_policy=GammaPolicyConfig(adaptive=method.adaptive_gamma))
     return SpecDecodePipelineModel(target_pm, proposer, spec, max_seq_len=runtime.max_seq_len)
 
 

@@ -8,8 +8,7 @@ requests address that replica's KV cache.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -17,16 +16,8 @@ import numpy as np
 import torch
 
 from specdec.core.context import TextContext
-from specdec.core.inputs import (
-    DECODER_INPUT_SPECS,
-    DecoderInputs,
-    DecoderOutputs,
-    InputSpec,
-    MaskKind,
-    ModelOutputs,
-    move_tensors,
-)
-from specdec.core.kv_cache import KVCacheParams, PagedKVCache, block_table_array
+from specdec.core.inputs import DecoderInputs, DecoderOutputs, MaskKind, ModelOutputs, move_tensors
+from specdec.core.kv_cache import PagedKVCache, block_table_array
 from specdec.core.state_store import RequestStateStore
 
 
@@ -58,80 +49,31 @@ class PackedBatch:
     lookahead: list[int]  # [B] placeholder positions after each request's real tokens
     draft_index: torch.Tensor | None = None  # [B, max lookahead] packed rows of the placeholders (see _pack)
     return_n_logits: int = 1
+    state_slots: torch.Tensor | None = None  # [B] each request's slot in the processor's state store
 
 
 class DecoderBatchProcessor:
-    """Batches ragged text for a registered decoder."""
+    """Batches ragged text for a registered decoder.
 
-    def __init__(self, config: Any, runtime: BatchProcessorRuntime, inputs: Sequence[InputSpec] = ()) -> None:
+    ``state_store``: the per-request state store the pipeline model shares
+    with this processor (set by ``DecoderPipelineModel.attach_state_store``);
+    when set, each packed batch carries its requests' slots in that store.
+    """
+
+    def __init__(self, config: Any, runtime: BatchProcessorRuntime) -> None:
         self.config = config
         self.runtime = runtime
-        self._bound: OrderedDict[str, InputSpec] | None = None
-        if inputs:
-            self.bind_input_tree(OrderedDict((s.name, s) for s in inputs))
-        self.constant_inputs: Any | None = None  # deployment-lifetime constant inputs
-        self.state_store: RequestStateStore | None = None  # set by the pipeline model
-        self._ep_initializer: Any | None = None
-
-    # -- binding ----------------------------------------------------------------
-    def bind_input_tree(self, input_tree: OrderedDict[str, object]) -> None:
-        """Binds the module's inputs; sizes the state inputs this processor fills."""
-        bound: OrderedDict[str, InputSpec] = OrderedDict()
-        for name, spec in input_tree.items():
-            if isinstance(spec, InputSpec):
-                bound[name] = spec
-            elif self.state_store is not None and name in self.state_store.tensors:
-                t = self.state_store.tensors[name]
-                bound[name] = InputSpec(name, t.dtype, ("batch_size", *t.shape[1:]))
-            else:
-                raise ValueError(f"input {name!r}: expected an InputSpec or a state-store name")
-        self._bound = bound
-
-    def bind_ep_comm_initializer(self, initializer: Any | None) -> None:
-        """Expert-parallel buffers: dense models take none (``None``)."""
-        self._ep_initializer = initializer
-
-    def get_symbolic_inputs(self, *, kv_params: KVCacheParams, device_refs: list[Any]) -> list[InputSpec]:
-        """The bound inputs, or the canonical decoder inputs before binding."""
-        if self._bound is not None:
-            return list(self._bound.values())
-        kv = [
-            InputSpec("kv_cache.k", kv_params.dtype, (kv_params.num_layers, "num_slots", kv_params.num_kv_heads, kv_params.head_dim)),
-            InputSpec("kv_cache.v", kv_params.dtype, (kv_params.num_layers, "num_slots", kv_params.num_kv_heads, kv_params.head_dim)),
-        ]
-        return [*DECODER_INPUT_SPECS, *kv]
-
-    def max_dims(self, dims: Iterable[str], kv_params: KVCacheParams) -> dict[str, int]:
-        """Largest size of each per-step dim: the state store bounds its own dims, the runtime the rest."""
-        rt = self.runtime
-        runtime_bounds = {
-            "batch_size": rt.max_batch_size,
-            "total_tokens": rt.max_batch_size * rt.max_seq_len,
-            "max_context": rt.max_seq_len,
-            "max_new_tokens": rt.max_seq_len,
-            "num_logits": rt.max_batch_size * rt.max_seq_len,
-            "num_slots": kv_params.num_slots,
-        }
-        store = self.state_store.bounded_dims() if self.state_store is not None else {}
-        out = {}
-        for d in dims:
-            if d in store:
-                out[d] = store[d]
-            elif d in runtime_bounds:
-                out[d] = runtime_bounds[d]
-            else:
-                raise ValueError(f"dim {d!r} is bounded by neither the state store nor the runtime")
-        return out
+        self.state_store: RequestStateStore | None = None
 
     # -- packing ----------------------------------------------------------------
     def prepare_initial_token_inputs(
         self,
         replica_batches: Sequence[Sequence[TextContext]],
-        kv_cache_inputs: Any | None = None,
         return_n_logits: int = 1,
         *,
         num_tokens: Sequence[int] | None = None,
         lookahead: int | Sequence[int] = 0,
+        with_state: bool = True,
     ) -> PackedBatch:
         """Packs the replicas' contexts into one ragged batch.
 
@@ -142,7 +84,9 @@ class DecoderBatchProcessor:
         Logits come back for ``return_n_logits`` rows of each request: its last
         rows, or with lookahead, its last real row and the placeholders after
         it. KV blocks must be reserved; the tables' lengths advance by the
-        tokens fed.
+        tokens fed. With a state store (and ``with_state``), ``state_slots``
+        holds each request's slot (every request must hold one), so a step
+        gathers and scatters the requests' state by it.
         """
         rt = self.runtime
         if len(replica_batches) != rt.data_parallel_degree:
@@ -152,6 +96,12 @@ class DecoderBatchProcessor:
         ctxs = [c for rb in replica_batches for c in rb]
         if not ctxs:
             raise ValueError("cannot pack an empty batch")
+        state_slots = None
+        if self.state_store is not None and with_state:
+            missing = [c.request_id for c in ctxs if c.slot is None]
+            if missing:
+                raise ValueError(f"requests {missing} hold no state-store slot")
+            state_slots = torch.tensor([c.slot for c in ctxs], dtype=torch.long, device=rt.device)
         look = [lookahead] * len(ctxs) if isinstance(lookahead, int) else list(lookahead)
         if len(look) != len(ctxs) or min(look) < 0:
             raise ValueError(f"lookahead needs one count >= 0 per request, got {lookahead}")
@@ -187,7 +137,7 @@ class DecoderBatchProcessor:
         inputs = move_tensors(inputs, rt.device)  # packed on the host; the model reads them on its device
         if draft_index is not None:
             draft_index = draft_index.to(rt.device, non_blocking=True)
-        return PackedBatch(inputs, ctxs, num_new, look, draft_index, return_n_logits)
+        return PackedBatch(inputs, ctxs, num_new, look, draft_index, return_n_logits, state_slots)
 
     def prepare_next_token_inputs(self, replica_batches: Sequence[Sequence[TextContext]]) -> PackedBatch:
         """The decode-step path: only each request's one new token."""

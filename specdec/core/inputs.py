@@ -34,15 +34,6 @@ from typing import Any, TypeVar
 import torch
 
 
-@dataclass(frozen=True)
-class InputSpec:
-    """One module input: its name, dtype and symbolic shape (dim names or ints)."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[str | int, ...]
-
-
 @dataclass
 class KVCacheTensors:
     """The paged cache storage of one decoder (one replica)."""
@@ -77,6 +68,10 @@ class DecoderInputs:
     # never branches on tensor sizes (a compiled model would guard on them):
     single_request: bool = False  # B == 1: the queries are the packed rows as they are
     mask: MaskKind = MaskKind.EXPLICIT
+    # Layers whose *input* hidden states come back (``aux_hidden_states``) at
+    # the logit rows: what a target-conditioned drafter reads (EAGLE-3 reads
+    # three). Empty: none, and no cost.
+    capture_layers: tuple[int, ...] = ()
     # Where each data-parallel replica's requests start: [R + 1], host ints.
     data_parallel_splits: list[int] = field(default_factory=lambda: [0])
 
@@ -103,25 +98,13 @@ def move_tensors(obj: D, device: torch.device | str) -> D:
     return replace(obj, **changes) if changes else obj  # type: ignore[type-var]
 
 
-# The canonical inputs of a graph-API decoder, as symbolic specs.
-DECODER_INPUT_SPECS: tuple[InputSpec, ...] = (
-    InputSpec("tokens", torch.int64, ("total_tokens",)),
-    InputSpec("positions", torch.int64, ("total_tokens",)),
-    InputSpec("slot_mapping", torch.int64, ("total_tokens",)),
-    InputSpec("gather_slots", torch.int64, ("batch_size", "max_context")),
-    InputSpec("q_index", torch.int64, ("batch_size", "max_new_tokens")),
-    InputSpec("q_pos", torch.int64, ("batch_size", "max_new_tokens")),
-    InputSpec("out_index", torch.int64, ("total_tokens",)),
-    InputSpec("logit_index", torch.int64, ("num_logits",)),
-)
-
-
 @dataclass
 class DecoderOutputs:
     """What a decoder's ``forward`` returns."""
 
     logits: torch.Tensor  # [N, vocab] float, rows picked by logit_index
     hidden_states: torch.Tensor  # [N, hidden] final-norm hidden states of those rows
+    aux_hidden_states: torch.Tensor | None = None  # [N, len(capture_layers) * hidden], in capture order
 
 
 @dataclass

@@ -127,10 +127,6 @@ class PagedKVCache:
             self.allocator.free(table.blocks[keep:])
             del table.blocks[keep:]
 
-    def rollback(self, table: BlockTable, n: int) -> None:
-        """Drops the last ``n`` tokens (rejected draft tokens)."""
-        self.truncate(table, table.num_tokens - n)
-
     def free(self, table: BlockTable) -> None:
         self.allocator.free(table.blocks)
         table.blocks = []

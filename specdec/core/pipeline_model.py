@@ -32,8 +32,9 @@ from specdec.core.checkpoint import LoadedDecoder, load_decoder
 from specdec.core.context import TextContext
 from specdec.core.inputs import DecoderOutputs, ModelOutputs
 from specdec.core.kv_cache import BlockTable, KVCacheParams, PagedKVCache
-from specdec.core.registry import Role
+from specdec.core.registry import BuildContext, Role
 from specdec.core.state_store import RequestStateStore
+from specdec.spec.metrics import RunStats
 from specdec.sampling import LANE_TARGET, greedy_tokens, probs_from_logits, sample_from, sampling_tensors
 
 
@@ -49,11 +50,17 @@ class RuntimeConfig:
     dtype: str | None = "float32"  # None: the checkpoint's declared dtype
     device: str = "cpu"
     compile: bool = False  # torch.compile each decoder (dynamic shapes); the first calls compile
+    threads: int | None = None  # torch.set_num_threads for a run; None: torch's default
 
     def __post_init__(self) -> None:
         for k in ("max_batch_size", "max_seq_len", "block_size", "data_parallel_degree"):
             if getattr(self, k) < 1:
                 raise ValueError(f"runtime.{k} must be >= 1, got {getattr(self, k)}")
+        for k in ("num_blocks", "threads"):
+            if getattr(self, k) is not None and getattr(self, k) < 1:
+                raise ValueError(f"runtime.{k} must be >= 1 or null, got {getattr(self, k)}")
+        if self.dtype is not None and self.dtype not in ("float32", "float16", "bfloat16", "float64"):
+            raise ValueError(f"runtime.dtype must be float32, float16, bfloat16, float64 or null, got {self.dtype!r}")
 
     def blocks(self, extra_tokens: int = 0) -> int:
         if self.num_blocks is not None:
@@ -63,24 +70,32 @@ class RuntimeConfig:
 
 
 class DecoderPipelineModel:
-    """Serves one registered decoder: module replicas, caches, batch processor."""
+    """Serves one registered decoder: module replicas, caches, batch processor.
+
+    It owns its modules and KV caches: callers pack through :meth:`prepare`
+    (which attaches the cache), run through :meth:`execute` or the module of
+    :meth:`build_module`, and keep per-request KV through
+    :meth:`reserve` / :meth:`truncate` / :meth:`free`.
+    """
 
     def __init__(
         self,
         modules: Sequence[nn.Module],
         config: Any,
         processor: DecoderBatchProcessor,
-        state_store: RequestStateStore | None = None,
+        runtime: RuntimeConfig,
         path: Path | None = None,
-        compiled: bool = False,
+        max_seq_len: int | None = None,
     ) -> None:
         self.path = path  # the checkpoint directory, when loaded from one
-        self.compiled = compiled  # modules run through torch.compile
+        self.runtime = runtime
         self.modules = list(modules)
         self.config = config
         self.processor = processor
-        self.state_store = state_store
-        processor.state_store = state_store
+        self._max_positions = (max_seq_len or runtime.max_seq_len) + 1  # rope table size
+        self._built: nn.Module | None = None
+        for m in self.modules:
+            self._prepare(m)
 
     @property
     def module(self) -> nn.Module:
@@ -94,9 +109,53 @@ class DecoderPipelineModel:
     def cache_name(self) -> str:
         return self.processor.runtime.cache_name
 
-    def build_module(self, context: Any, config_cls: type) -> nn.Module:
-        """The decoder class's ``build_module``, exposed as the pipeline's own."""
-        return type(self.module).build_module(context, config_cls)  # type: ignore[attr-defined]
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.runtime.device)
+
+    def attach_state_store(self, store: RequestStateStore) -> None:
+        """Shares ``store`` with this model's batch processor (it packs the requests' slots)."""
+        self.processor.state_store = store
+
+    def _prepare(self, module: nn.Module) -> None:
+        """Inference rewrites, rope tables, compile: once per module, here only."""
+        if hasattr(module, "prepare_for_inference"):
+            module.prepare_for_inference()
+        if hasattr(module, "ensure_rope"):
+            module.ensure_rope(self._max_positions, self.runtime.device)
+        if self.runtime.compile:
+            compile_decoder(module)
+
+    def build_module(self) -> nn.Module:
+        """The module a draft-and-verify module calls as its target.
+
+        Built once, by the decoder class's ``build_module`` over this model's
+        weights (adopted, not copied) and prepared like its own; from then on
+        this model executes it too, so one set of weights and one set of
+        compiled graphs serve plain steps, speculative steps and timing.
+        """
+        if self._built is None:
+            cls = type(self.module)
+            built = cls.build_module(BuildContext(config=self.config, state_dict=self.module.state_dict()),
+                                     type(self.config))  # type: ignore[attr-defined]
+            self._prepare(built)
+            self.modules[0] = self._built = built
+        return self._built
+
+    def prepare(
+        self,
+        batch: Sequence[TextContext],
+        *,
+        return_n_logits: int = 1,
+        num_tokens: Sequence[int] | None = None,
+        lookahead: int | Sequence[int] = 0,
+    ) -> PackedBatch:
+        """Packs one replica's ``batch`` (see ``prepare_initial_token_inputs``) with its KV cache attached."""
+        packed = self.processor.prepare_initial_token_inputs(
+            [batch], return_n_logits, num_tokens=num_tokens, lookahead=lookahead
+        )
+        packed.inputs.kv_cache = self.caches[0].tensors
+        return packed
 
     @torch.inference_mode()
     def execute(self, batch: PackedBatch) -> ModelOutputs:
@@ -138,14 +197,12 @@ def registered_pipeline_model(
     cache_name: str = "target",
     role: Role = Role.DECODER,
     extra_tokens: int = 0,
-    processor_cls: type = DecoderBatchProcessor,
+    processor_cls: type[DecoderBatchProcessor] = DecoderBatchProcessor,
 ) -> DecoderPipelineModel:
     """Loads a registered decoder and wraps it for batching and execution.
 
     ``extra_tokens``: per-sequence slack the KV cache must hold beyond
-    ``max_seq_len`` (draft lookahead). ``processor_cls`` batches for the
-    decoder; a decoder that declares a state store needs a
-    :class:`DecoderBatchProcessor` (it feeds the state), else this raises.
+    ``max_seq_len`` (draft lookahead). ``processor_cls`` batches for the decoder.
     """
     dtype = getattr(torch, runtime.dtype) if runtime.dtype else None
     loaded = checkpoint if isinstance(checkpoint, LoadedDecoder) else load_decoder(
@@ -155,14 +212,7 @@ def registered_pipeline_model(
     module_cls = type(module)
     if runtime.data_parallel_degree > 1 and not getattr(module_cls, "supports_data_parallel", False):
         raise ValueError(f"{module_cls.__name__} does not support data parallelism")
-    if hasattr(module, "prepare_for_inference"):
-        module.prepare_for_inference()
-    if hasattr(module, "ensure_rope"):
-        module.ensure_rope(runtime.max_seq_len + extra_tokens + 1, runtime.device)
     modules = [module] + [copy.deepcopy(module) for _ in range(runtime.data_parallel_degree - 1)]
-    if runtime.compile:
-        for m in modules:
-            compile_decoder(m)
     wdtype = next(module.parameters()).dtype
     kv_params = KVCacheParams(
         num_layers=config.num_hidden_layers,
@@ -180,17 +230,9 @@ def registered_pipeline_model(
         max_seq_len=runtime.max_seq_len + extra_tokens,
         device=runtime.device,
     )
-    specs = module_cls.state_store(config, max_batch_size=runtime.max_batch_size, devices=[torch.device(runtime.device)])
-    if specs and not issubclass(processor_cls, DecoderBatchProcessor):
-        raise TypeError(
-            f"{module_cls.__name__} declares a state store, so it must be served by a DecoderBatchProcessor "
-            f"(which feeds the state); got {processor_cls.__name__}"
-        )
-    store = None
-    if specs:
-        store = RequestStateStore(specs, max_batch_size=runtime.max_batch_size, device=runtime.device)
     processor = processor_cls(config, rt)
-    return DecoderPipelineModel(modules, config, processor, store, path=loaded.path, compiled=runtime.compile)
+    return DecoderPipelineModel(modules, config, processor, runtime, path=loaded.path,
+                                max_seq_len=runtime.max_seq_len + extra_tokens)
 
 
 def compile_decoder(module: nn.Module) -> None:
@@ -230,12 +272,20 @@ class GenerationPipeline(Protocol):
 class PlainGeneration:
     """Ordinary decoding: one target forward per step, one token per request."""
 
+    draft_model = None  # (the statistics API of every pipeline: no drafter here)
+
     def __init__(self, target: DecoderPipelineModel, max_seq_len: int) -> None:
         self.target = target
         self.max_seq_len = max_seq_len
         self.vocab_size = target.config.vocab_size
-        rt = target.processor.runtime
-        self.max_batch_size = rt.max_batch_size * rt.data_parallel_degree
+        self.max_batch_size = target.runtime.max_batch_size * target.runtime.data_parallel_degree
+        self.num_forwards = 0
+
+    def stats(self) -> RunStats:
+        """Figures since the last :meth:`reset_stats` (plain decoding: forward passes only)."""
+        return RunStats(target_forwards=self.num_forwards)
+
+    def reset_stats(self) -> None:
         self.num_forwards = 0
 
     def unprocessed(self, ctx: TextContext) -> int:

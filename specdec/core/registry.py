@@ -14,15 +14,12 @@ are the knobs the seed page lists; each has a documented default.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from specdec.core.state_store import StateSpec
 
 
 @dataclass
@@ -46,15 +43,8 @@ class DecoderModule(nn.Module):
 
     Class attributes (override in a subclass; all optional):
 
-    - ``graph_name``: the name its compiled region runs under (profiler ranges,
-      ``torch.compile`` logs). An instance may set it from its config.
-    - ``supports_data_parallel``: runs one replica per device and reads the
-      batch's ``data_parallel_splits``.
-    - ``data_parallel_batch_inputs``: the :class:`DecoderInputs` fields the
-      data-parallel module takes, in order, when they differ from the canonical
-      ones (``None``: the canonical ones).
-    - ``always_signal_buffers``: takes all-reduce signal buffers even on one
-      device (no effect on the CPU; kept for parity with MAX).
+    - ``supports_data_parallel``: may run as several replicas, each on its
+      slice of the batch (``data_parallel_splits``).
     - ``strict_state_dict_loading``: ``False`` when the checkpoint may hold
       weights the decoder does not read (they are ignored); a parameter the
       checkpoint lacks is an error either way.
@@ -62,10 +52,7 @@ class DecoderModule(nn.Module):
       dtype a weight declares (otherwise weights are cast to the declared one).
     """
 
-    graph_name: ClassVar[str] = "decoder"
     supports_data_parallel: ClassVar[bool] = False
-    data_parallel_batch_inputs: ClassVar[Sequence[str] | None] = None
-    always_signal_buffers: ClassVar[bool] = False
     strict_state_dict_loading: ClassVar[bool] = True
     override_quantization_encoding: ClassVar[bool] = False
 
@@ -105,18 +92,6 @@ class DecoderModule(nn.Module):
     def prepare_for_inference(self) -> nn.Module:
         """Inference-only rewrites after loading (fusing projections …); default none."""
         return self
-
-    @classmethod
-    def state_store(
-        cls, config: Any, *, max_batch_size: int, devices: Sequence[torch.device]
-    ) -> Sequence[StateSpec] | None:
-        """The per-request state this decoder carries between steps.
-
-        Returns the named slots (see :class:`specdec.core.state_store.StateSpec`)
-        or ``None`` for a stateless decoder. A decoder that declares state must
-        be served by a :class:`~specdec.core.batch_processor.DecoderBatchProcessor`.
-        """
-        return None
 
 
 M = TypeVar("M", bound=type[nn.Module])
@@ -164,15 +139,6 @@ def lookup(architecture: str, role: Role = Role.DECODER) -> type[nn.Module]:
         raise KeyError(
             f"unknown {role.value} architecture {architecture!r}; registered: {known}"
         ) from None
-
-
-def is_graph_api_module(module_cls: object) -> bool:
-    """Whether ``module_cls`` is a registered module class (a decoder or head)."""
-    return (
-        isinstance(module_cls, type)
-        and issubclass(module_cls, nn.Module)
-        and any(c is module_cls for c in _REGISTRY.values())
-    )
 
 
 def _ensure_builtin_models() -> None:

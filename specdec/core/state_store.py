@@ -1,10 +1,13 @@
 """Per-request state kept on the device between steps.
 
-A decoder declares its state with the ``state_store`` classmethod: a list of
-:class:`StateSpec` (name, dtype, per-request shape). The store holds one
-tensor per name, ``[max_batch_size, *shape]``; a request owns one row (its
-*slot*) while it runs. Batch processors gather and scatter by slot, so the
-draft and the target processors share state without copying it through Python.
+The speculative pipeline builds one store per run from the state its parts
+declare (sampling parameters; a proposer's own ``state_specs()``, e.g. a
+target feature per request): a list of :class:`StateSpec` (name, dtype,
+per-request shape). The store holds one tensor per name,
+``[max_batch_size, *shape]``; a request owns one row (its *slot*) while it
+runs. The draft and target batch processors share the store and pack each
+batch's slots (``PackedBatch.state_slots``), so a step gathers and scatters
+state by slot on the device, never through Python.
 """
 
 from __future__ import annotations
@@ -52,10 +55,6 @@ class RequestStateStore:
             self.tensors[s.name] = torch.full((max_batch_size, *shape), s.fill, dtype=s.dtype, device=device)
         self._free = list(range(max_batch_size - 1, -1, -1))
         self._owner: dict[int, str] = {}
-
-    def bounded_dims(self) -> dict[str, int]:
-        """The dims this store introduces, with their sizes (plus the batch bound)."""
-        return {"max_batch_size": self.max_batch_size, **self.dims}
 
     def allocate(self, request_id: str) -> int:
         if not self._free:

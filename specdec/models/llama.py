@@ -223,14 +223,12 @@ class LlamaModel(nn.Module):
 class LlamaDecoder(DecoderModule):
     """A Llama-family causal LM over a paged KV cache."""
 
-    graph_name = "llama_decoder"
     config_cls = LlamaConfig
     supports_data_parallel = True  # stateless between steps: replicas just split the batch
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
-        self.graph_name = f"{config.architecture}:{config.num_hidden_layers}L"
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -256,10 +254,21 @@ class LlamaDecoder(DecoderModule):
             self._rope_len = n
         return self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
 
-    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
-        for layer in self.model.layers:
+    def _layers(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
+        capture: tuple[int, ...] = (), rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Runs every layer; returns the final-norm output and, for each layer in
+        ``capture``, its input at ``rows`` ([N, d] each; ``capture`` may name
+        ``num_layers``: the last layer's output before the final norm)."""
+        seen: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            if i in capture:
+                seen[i] = x if rows is None else x[rows]
             x = layer(x, cos, sin, attend)
-        return self.model.norm(x)
+        if self.num_layers in capture:
+            seen[self.num_layers] = x if rows is None else x[rows]
+        return self.model.norm(x), [seen[i] for i in capture]
 
     def forward(self, inputs: DecoderInputs) -> DecoderOutputs:
         """Packed ragged forward over the paged cache in ``inputs.kv_cache``."""
@@ -272,8 +281,10 @@ class LlamaDecoder(DecoderModule):
         max_pos = self._rope_len - 1 if self._rope_len else int(inputs.positions.max())
         cos, sin = self._rope(inputs.positions, max_pos)
         attend = PagedAttend(inputs, inputs.kv_cache, self.config.sliding_window)
-        h = self._layers(x, cos, sin, attend)[inputs.logit_index]  # [N, d]
-        return DecoderOutputs(logits=self.lm_head(h), hidden_states=h)
+        h, aux = self._layers(x, cos, sin, attend, inputs.capture_layers, inputs.logit_index)
+        h = h[inputs.logit_index]  # [N, d]
+        return DecoderOutputs(logits=self.lm_head(h), hidden_states=h,
+                              aux_hidden_states=torch.cat(aux, dim=-1) if aux else None)
 
     def prepare_for_inference(self) -> LlamaDecoder:
         """Fuses q/k/v and gate/up projections (views: no extra memory). Call
@@ -293,5 +304,5 @@ class LlamaDecoder(DecoderModule):
         pos = torch.arange(s, device=tokens.device).repeat(b)
         cos, sin = self._rope(pos, s - 1)
         x = self.model.embed_tokens(tokens.reshape(-1))
-        h = self._layers(x, cos, sin, DenseCausalAttend(b, s, self.config.sliding_window))
+        h, _ = self._layers(x, cos, sin, DenseCausalAttend(b, s, self.config.sliding_window))
         return self.lm_head(h).view(b, s, -1)

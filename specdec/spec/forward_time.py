@@ -31,8 +31,8 @@ def forward_time(pm: DecoderPipelineModel, n: int, ctx_len: int, *, repeats: int
     try:
         cache.reserve(table, ctx_len)
         table.num_tokens = ctx_len - n
-        packed = pm.processor.prepare_initial_token_inputs([[ctx]], return_n_logits=n)
-        inputs = packed.inputs
+        # A bare forward reads no per-request state: no state slots.
+        inputs = pm.processor.prepare_initial_token_inputs([[ctx]], return_n_logits=n, with_state=False).inputs
         inputs.kv_cache = cache.tensors
         module = pm.module
         dev = cache.tensors.k.device

@@ -76,6 +76,17 @@ class SpecCounts:
         return {**asdict(self), "tau": self.tau, "alpha": self.alpha, "per_position_acceptance": self.per_position}
 
 
+@dataclass
+class RunStats:
+    """A pipeline's figures since its last ``reset_stats()`` (``pipeline.stats()``)."""
+
+    counts: SpecCounts = field(default_factory=SpecCounts)  # every request's, merged
+    per_request: dict[str, SpecCounts] = field(default_factory=dict)  # request id -> its counts
+    target_forwards: int = 0  # target forward passes (a step is one; a prefill chunk forward too)
+    draft_time_s: float = 0.0  # host clock in the drafter (before-verify and after-verify drafting)
+    target_time_s: float = 0.0  # host clock in the target forward
+
+
 def _pad(x: list[int], n: int) -> list[int]:
     return x + [0] * (n - len(x))
 

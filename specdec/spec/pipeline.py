@@ -2,19 +2,23 @@
 
 One step, for a ragged batch of requests (see docs/architecture.md)::
 
-    host:   proposer.prepare   -> DraftBatch   (draft inputs: positions, KV slots …)
-            target processor   -> DecoderInputs with γ placeholder rows per request
+    host:   proposer.prepare   -> DraftBatch   (draft inputs: positions, KV slots …;
+                                                 a drafter that drafts after verification
+                                                 needs none: its drafts wait in the store)
+            target model       -> DecoderInputs with each request's draft rows, state slots
     device: DraftAndVerify(...)                 one module call
-              drafter   -> draft tokens [B, γ], q [B, γ, V]
-              target    -> logits of the last γ+1 rows of each request
+              drafts    -> tree tokens [B, γ] (q [B, γ, V]): drafted now, or read by slot
+              target    -> logits (+ hidden states) of the last γ+1 rows of each request
               verify    -> output tokens [B, γ+1], num_accepted [B]
+              draft_after (if the drafter drafts after verification) -> next step's
+                           drafts, from the target's hidden states, into the store
     host:   read tokens and counts (the one sync), roll both KV caches back
             past rejected tokens, hand the new tokens to the engine
 
 The target module is built by the target decoder class's ``build_module``
 and called as a submodule; the draft and target batch processors share one
-:class:`RequestStateStore` holding each request's sampling parameters and
-seed, acceptance counters and last draft tokens, addressed by slot.
+:class:`RequestStateStore` (sampling parameters and seed, drafts waiting for
+the next step, the proposer's own state), addressed by slot.
 """
 
 from __future__ import annotations
@@ -27,14 +31,13 @@ from torch import nn
 
 from specdec.core.context import TextContext
 from specdec.core.inputs import DecoderInputs
-from specdec.core.pipeline_model import DecoderPipelineModel, compile_decoder
-from specdec.core.registry import BuildContext
+from specdec.core.pipeline_model import DecoderPipelineModel
 from specdec.core.state_store import RequestStateStore, StateSpec
 from specdec.sampling import SamplingTensors, probs_from_logits
 from specdec.spec.forward_time import forward_time
 from specdec.spec.gamma import CostCurve, GammaPolicyConfig, choose_gamma
-from specdec.spec.metrics import SpecCounts
-from specdec.spec.proposers.base import DraftBatch, Proposer
+from specdec.spec.metrics import RunStats, SpecCounts
+from specdec.spec.proposers.base import DraftBatch, Drafter, DraftTree, Proposer, TargetStep
 from specdec.spec.verify import verify_greedy, verify_sampled
 
 
@@ -42,35 +45,56 @@ from specdec.spec.verify import verify_greedy, verify_sampled
 class StepOutput:
     tokens: torch.Tensor  # [B, γ+1] accepted drafts then the recovered/bonus token; -1 past it
     num_accepted: torch.Tensor  # [B]
-    draft_tokens: torch.Tensor  # [B, γ]
 
 
 class DraftAndVerify(nn.Module):
-    """Drafts, verifies and accepts in one call. ``target`` is a submodule."""
+    """One speculative step in one call. ``target`` and ``drafter`` are submodules.
 
-    def __init__(self, target: nn.Module, drafter: nn.Module) -> None:
+    Order: (1) this step's drafts — drafted now from tokens, or, for a drafter
+    that drafts after verification, read from the state store where the last
+    step left them; (2) the target verifies them; (3) accept on the device;
+    (4) a drafter that drafts after verification drafts the next step's tree
+    from the target's hidden states of this forward and leaves it in the store.
+    """
+
+    def __init__(self, target: nn.Module, drafter: Drafter, *, drafts_after_verify: bool,
+                 state: RequestStateStore) -> None:
         super().__init__()
         self.target = target
         self.drafter = drafter
+        self.drafts_after_verify = drafts_after_verify
+        self.state = state
         self.draft_time = 0.0  # seconds spent in the drafter (host clock)
         self.target_time = 0.0
+
+    def _drafts(self, draft: DraftBatch, sampling: SamplingTensors, slots: torch.Tensor | None) -> DraftTree:
+        if not self.drafts_after_verify:
+            return self.drafter(draft, sampling)
+        assert slots is not None
+        g = draft.gamma
+        probs = self.state.gather("draft_probs", slots)[:, :g] if "draft_probs" in self.state.tensors else None
+        return DraftTree.chain(self.state.gather("draft_tokens", slots)[:, :g], probs)
 
     def forward(
         self,
         *,
         target_inputs: DecoderInputs,  # packed; γ placeholder rows per request (its tokens field gets the drafts)
         draft_index: torch.Tensor | None,  # [B, γ] packed rows of the placeholders (padded: see _pack)
-        draft: DraftBatch | None,  # None: γ = 0, plain decoding
+        draft: DraftBatch | None,  # None: no drafts this step
         sampling: SamplingTensors,
         num_draft: torch.Tensor,  # [B] drafts each request really proposes
         ragged: bool,  # some request has fewer than γ drafts (its draft_index is padded)
         positions: torch.Tensor | None,  # [B, γ+1] sequence position of each emitted token (sampling only)
+        slots: torch.Tensor | None,  # [B] state-store slots
+        next_gamma: int = 0,  # drafts to leave for the next step (a drafter that drafts after verification)
     ) -> StepOutput:
         t0 = time.perf_counter()
         b = num_draft.shape[0]
         if draft is not None and draft.gamma > 0:
-            d = self.drafter(draft, sampling)
-            draft_tokens, draft_probs = d.tokens, d.probs  # [B, γ], [B, γ, V] | None
+            tree = self._drafts(draft, sampling, slots)
+            if not tree.is_chain:
+                raise NotImplementedError("verifying branching draft trees comes with token trees; draft chains")
+            draft_tokens, draft_probs = tree.tokens, tree.probs  # [B, γ], [B, γ, V] | None
             # Request r has num_draft[r] placeholder rows; its draft_index past
             # them points at its last real row, which gets its own token back.
             idx = draft_index.reshape(-1)
@@ -83,9 +107,9 @@ class DraftAndVerify(nn.Module):
             draft_tokens = torch.zeros(b, 0, dtype=torch.long, device=num_draft.device)
             draft_probs = None
         t1 = time.perf_counter()
-        logits = self.target(target_inputs).logits  # [B * (γ+1), V]
+        target_out = self.target(target_inputs)
         t2 = time.perf_counter()
-        logits = logits.view(b, -1, logits.shape[-1])  # [B, γ+1, V]
+        logits = target_out.logits.view(b, -1, target_out.logits.shape[-1])  # [B, γ+1, V]
         if sampling.all_greedy:
             # Not ragged: every request has the step's γ drafts, no per-request cut.
             out, acc = verify_greedy(draft_tokens=draft_tokens, target_logits=logits,
@@ -100,33 +124,59 @@ class DraftAndVerify(nn.Module):
                 seeds=sampling.seeds,
                 positions=positions,
             )
-        self.draft_time += t1 - t0
+        t3 = time.perf_counter()
+        if self.drafts_after_verify and next_gamma > 0:
+            assert slots is not None
+            aux = target_out.aux_hidden_states
+            step = TargetStep(
+                tokens=out,
+                num_accepted=acc,
+                hidden=target_out.hidden_states.view(b, logits.shape[1], -1),
+                aux_hidden=aux.view(b, logits.shape[1], -1) if aux is not None else None,
+                first_position=target_inputs.context_lengths - logits.shape[1],
+                slots=slots,
+                state=self.state,
+            )
+            nxt = self.drafter.draft_after(step, next_gamma, sampling)
+            self.state.tensors["draft_tokens"][slots, :next_gamma] = nxt.tokens
+            if nxt.probs is not None:
+                self.state.tensors["draft_probs"][slots, :next_gamma] = nxt.probs
+        self.draft_time += (t1 - t0) + (time.perf_counter() - t3)
         self.target_time += t2 - t1
-        return StepOutput(tokens=out, num_accepted=acc, draft_tokens=draft_tokens)
+        return StepOutput(tokens=out, num_accepted=acc)
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculation settings shared by every proposer."""
+    """Speculation settings shared by every proposer (from its ProposerConfig)."""
 
     num_speculative_tokens: int = 4  # γ (the most per step); 0 is plain decoding
     gamma_policy: GammaPolicyConfig = GammaPolicyConfig()  # adaptive: pick γ per step
 
-    def __post_init__(self) -> None:
-        if not (0 <= self.num_speculative_tokens <= 64):
-            raise ValueError(f"method.num_speculative_tokens must be in [0, 64], got {self.num_speculative_tokens}")
+
+SAMPLING_STATE = (  # written at admission, gathered by slot each sampled step
+    StateSpec("seed", torch.long),
+    StateSpec("temperature", torch.float32),
+    StateSpec("top_k", torch.long),
+    StateSpec("top_p", torch.float32, fill=1.0),
+)
 
 
-def spec_state_specs() -> list[StateSpec]:
-    """The per-request state the draft and target processors share."""
-    return [
-        StateSpec("seed", torch.long),
-        StateSpec("temperature", torch.float32),
-        StateSpec("top_k", torch.long),
-        StateSpec("top_p", torch.float32, fill=1.0),
-        StateSpec("num_accepted", torch.long),  # last step's (written when the proposer reads_step_state)
-        StateSpec("draft_tokens", torch.long, ("max_draft",)),  # last step's proposals (likewise)
-    ]
+def state_specs(proposer: Proposer, vocab_size: int) -> list[StateSpec]:
+    """Everything the draft and target processors share per request: sampling
+    parameters; for a drafter that drafts after verification the drafts waiting
+    for the next step (and their distribution, if it samples them); the
+    proposer's own state."""
+    specs = list(SAMPLING_STATE)
+    if proposer.drafts_after_verify:
+        specs.append(StateSpec("draft_tokens", torch.long, ("max_draft",)))
+        if proposer.samples_drafts:
+            specs.append(StateSpec("draft_probs", torch.float32, ("max_draft", vocab_size)))
+    own = proposer.state_specs()
+    clash = {s.name for s in own} & {s.name for s in specs}
+    if clash:
+        raise ValueError(f"proposer {proposer.name!r} declares state the pipeline keeps already: {sorted(clash)}")
+    return specs + own
 
 
 class SpecDecodePipelineModel:
@@ -140,41 +190,37 @@ class SpecDecodePipelineModel:
         *,
         max_seq_len: int,
     ) -> None:
-        if len(target.caches) != 1:
+        if target.runtime.data_parallel_degree != 1:
             raise ValueError("speculative decoding runs one replica (data_parallel_degree=1)")
+        bad = [i for i in proposer.target_layers if not 0 <= i <= target.config.num_hidden_layers]
+        if bad:
+            raise ValueError(f"proposer {proposer.name!r} asks for target layers {bad}; the target has "
+                             f"{target.config.num_hidden_layers} (0..{target.config.num_hidden_layers})")
         self.target = target
         self.proposer = proposer
         self.config = config
         self.max_seq_len = max_seq_len
         self.vocab_size = target.config.vocab_size
-        self.max_batch_size = target.processor.runtime.max_batch_size  # one state slot each
-        self.device = torch.device(target.processor.runtime.device)
-        gmax = max(config.num_speculative_tokens, 1)
+        self.max_batch_size = target.runtime.max_batch_size  # one state slot each
+        self.device = target.device
         self.state = RequestStateStore(
-            spec_state_specs(),
-            max_batch_size=target.processor.runtime.max_batch_size,
-            dims={"max_draft": gmax},
+            state_specs(proposer, self.vocab_size),
+            max_batch_size=self.max_batch_size,
+            dims={"max_draft": max(config.num_speculative_tokens, 1)},
             device=self.device,
         )
-        target.processor.state_store = self.state
-        draft_pipeline = getattr(proposer, "pipeline", None)
-        if draft_pipeline is not None:
-            draft_pipeline.processor.state_store = self.state
-        # The target decoder class builds the module we call as a submodule;
-        # it adopts the loaded weights (no copy).
-        built = target.build_module(
-            BuildContext(config=target.config, state_dict=target.module.state_dict()), type(target.config)
-        )
-        if hasattr(built, "prepare_for_inference"):
-            built.prepare_for_inference()
-        if hasattr(built, "ensure_rope"):
-            built.ensure_rope(target.processor.runtime.max_seq_len + 1)
-        if target.compiled:
-            compile_decoder(built)
-        target.modules[0] = built  # one set of weights serves both paths
-        self.module = DraftAndVerify(built, proposer.drafter)
+        target.attach_state_store(self.state)
+        if proposer.draft_model is not None:
+            proposer.draft_model.attach_state_store(self.state)
+        # The target decoder class builds the module we call as a submodule.
+        self.module = DraftAndVerify(target.build_module(), proposer.drafter,
+                                     drafts_after_verify=proposer.drafts_after_verify, state=self.state)
         self.counts: dict[str, SpecCounts] = {}
         self.num_target_forwards = 0
+        # Drafts waiting in the state store per request (a drafter that drafts
+        # after verification): 0 until the request's first step, and again
+        # after a preemption (its slot, and so its drafts, were released).
+        self._ready: dict[str, int] = {}
         # Adaptive γ's running acceptance, per live request: [accepted, Σ step γ].
         # Not self.counts (the run's figures, kept after a request ends): a
         # later request may reuse the id.
@@ -183,6 +229,29 @@ class SpecDecodePipelineModel:
         self._greedy: dict[int, SamplingTensors] = {}  # all-greedy sampling tensors per batch size
         if config.gamma_policy.adaptive:  # calibrate now, while the KV cache is empty
             self._cost_curves()
+
+    # -- statistics ------------------------------------------------------------------
+    @property
+    def draft_model(self) -> DecoderPipelineModel | None:
+        """The draft decoder (T_draft(1) of the analytic limit); None for model-free methods."""
+        return self.proposer.draft_model
+
+    def stats(self) -> RunStats:
+        """Figures since the last :meth:`reset_stats` (definitions: spec/metrics.py)."""
+        return RunStats(counts=self.run_counts(), per_request=dict(self.counts),
+                        target_forwards=self.num_target_forwards,
+                        draft_time_s=self.module.draft_time, target_time_s=self.module.target_time)
+
+    def reset_stats(self) -> None:
+        self.counts = {}
+        self.num_target_forwards = 0
+        self.module.draft_time = self.module.target_time = 0.0
+
+    def run_counts(self) -> SpecCounts:
+        total = SpecCounts()
+        for c in self.counts.values():
+            total.merge(c)
+        return total
 
     # -- engine protocol -------------------------------------------------------------
     def unprocessed(self, ctx: TextContext) -> int:
@@ -218,11 +287,12 @@ class SpecDecodePipelineModel:
         self.proposer.free(ctx)
         if ctx.done:
             self._running.pop(ctx.request_id, None)
+        self._ready.pop(ctx.request_id, None)  # its drafts go with its slot
         if ctx.slot is not None:
             self.state.release(ctx.slot)
             ctx.slot = None
 
-    def _sampling(self, batch: list[TextContext]) -> SamplingTensors:
+    def _sampling(self, batch: list[TextContext], slots: torch.Tensor | None) -> SamplingTensors:
         temps = [c.sampling.temperature for c in batch]
         if all(t == 0 for t in temps):  # greedy reads no sampling tensor: skip the gathers
             greedy = self._greedy.get(len(batch))
@@ -233,7 +303,7 @@ class SpecDecodePipelineModel:
                     temperature=z, top_k=zl, top_p=z, seeds=zl, all_greedy=True,
                     any_greedy=True, any_top_k=False, any_top_p=False)
             return greedy
-        slots = torch.tensor([c.slot for c in batch], dtype=torch.long, device=self.device)
+        assert slots is not None
         g = self.state.gather
         return SamplingTensors(
             temperature=g("temperature", slots),
@@ -262,16 +332,13 @@ class SpecDecodePipelineModel:
         return [result[id(c)] for c in batch]
 
     def _prefill_chunks(self, chunks: list[tuple[TextContext, int]]) -> None:
-        packed = self.target.processor.prepare_initial_token_inputs(
-            [[c for c, _ in chunks]], num_tokens=[n for _, n in chunks]
-        )
-        self.target.execute(packed)
+        self.target.execute(self.target.prepare([c for c, _ in chunks], num_tokens=[n for _, n in chunks]))
         self.num_target_forwards += 1
 
     def _cost_curves(self) -> tuple[CostCurve, CostCurve]:
         """T_target(n tokens) and T_draft(batch) from a short calibration (first use)."""
         if self._curves is None:
-            rt = self.target.processor.runtime
+            rt = self.target.runtime
             cap = min(rt.max_seq_len - 1, rt.max_batch_size * (self.config.num_speculative_tokens + 1))
             pts = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= max(cap, 1)]
             ctx = min(128, rt.max_seq_len - 1)
@@ -298,14 +365,22 @@ class SpecDecodePipelineModel:
         if self.config.gamma_policy.adaptive and max(gammas) > 0:
             g = self._policy_gamma(batch, gammas)
             gammas = [min(x, g) for x in gammas]
-        gamma = max(gammas)
         lens = [len(c.tokens) for c in batch]
-        draft = self.proposer.prepare(batch, gamma, gammas) if gamma else None
-        if draft is not None and draft.gamma < gamma:
-            # The proposer found fewer drafts than asked (n-gram lookups that
-            # miss): verify only those, not γ placeholder rows.
-            gamma = draft.gamma
-            draft = draft if gamma else None
+        after = self.proposer.drafts_after_verify
+        if after:  # the drafts the last step left in the store, as many as each request may verify
+            gammas = [min(g, self._ready.get(c.request_id, 0)) for c, g in zip(batch, gammas)]
+        gamma = max(gammas)
+        draft: DraftBatch | None = None
+        if gamma and after:
+            draft = DraftBatch(gamma=gamma, num_draft=torch.tensor(gammas, device=self.device),
+                               first_position=torch.tensor(lens, device=self.device))
+        elif gamma:
+            draft = self.proposer.prepare(batch, gamma, gammas)
+            if draft.gamma < gamma:
+                # The proposer found fewer drafts than asked (n-gram lookups that
+                # miss): verify only those, not γ placeholder rows.
+                gamma = draft.gamma
+                draft = draft if gamma else None
         fed, num_tokens = batch, None
         if chunks and gamma == 0:  # one forward for all: the chunks' rows are verified and dropped
             fed = batch + [c for c, _ in chunks]
@@ -317,12 +392,10 @@ class SpecDecodePipelineModel:
         look = num_draft.tolist() if gamma else [0] * len(fed)
         # Each request verifies only its own drafts (no placeholder rows for
         # the padding up to the step's γ).
-        packed = self.target.processor.prepare_initial_token_inputs(
-            [fed], return_n_logits=gamma + 1, lookahead=look, num_tokens=num_tokens
-        )
+        packed = self.target.prepare(fed, return_n_logits=gamma + 1, lookahead=look, num_tokens=num_tokens)
         inputs = packed.inputs
-        inputs.kv_cache = self.target.caches[0].tensors
-        sampling = self._sampling(fed)
+        inputs.capture_layers = self.proposer.target_layers
+        sampling = self._sampling(fed, packed.state_slots)
         positions = None
         if not sampling.all_greedy:
             positions = torch.tensor(lens, dtype=torch.long, device=self.device).unsqueeze(1) + torch.arange(
@@ -336,13 +409,10 @@ class SpecDecodePipelineModel:
             num_draft=num_draft,
             ragged=min(look) < gamma,
             positions=positions,
+            slots=packed.state_slots,
+            next_gamma=self.config.num_speculative_tokens if after else 0,
         )
         self.num_target_forwards += 1
-        if self.proposer.reads_step_state:
-            slots = torch.tensor([c.slot for c in batch], dtype=torch.long, device=self.device)
-            self.state.scatter("num_accepted", slots, out.num_accepted[: len(batch)])  # not the chunks' rows
-            if gamma:
-                self.state.tensors["draft_tokens"][slots, :gamma] = out.draft_tokens
         tokens = out.tokens.tolist()  # the one host sync of the step
         accepted = out.num_accepted.tolist()
         new: list[list[int]] = []
@@ -353,20 +423,17 @@ class SpecDecodePipelineModel:
             counts.record(n, k)
             new.append(toks[: k + 1])
             if g:  # drafts were asked for (found or not): adaptive γ's running acceptance
-                running = self._running.setdefault(c.request_id, [0, 0])
+                running = self._running.get(c.request_id)
+                if running is None:
+                    running = self._running[c.request_id] = [0, 0]
                 running[0] += k
                 running[1] += g
             # Target keeps the committed tokens but the last (it is fed next step):
             # it was fed through ln + n, so only rejected drafts (n > k) roll back.
             if n > k:
                 self.target.truncate(c, ln + k)
-            if gamma:  # (a step that drafted nothing leaves the proposer nothing to forget)
+            if gamma or after:  # (a step that drafted nothing leaves the proposer nothing to forget)
                 self.proposer.commit(c, ln + k + 1)
+            if after:
+                self._ready[c.request_id] = self.config.num_speculative_tokens
         return new
-
-    # -- figures ---------------------------------------------------------------------
-    def run_counts(self) -> SpecCounts:
-        total = SpecCounts()
-        for c in self.counts.values():
-            total.merge(c)
-        return total

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from hypothesis import strategies as st
 
 from specdec.core.batch_processor import BatchProcessorRuntime, DecoderBatchProcessor, split_replicas
 from specdec.core.context import SamplingParams, TextContext
-from specdec.core.inputs import DECODER_INPUT_SPECS, DecoderOutputs, InputSpec
+from specdec.core.inputs import DecoderOutputs
 from specdec.core.kv_cache import BlockTable, KVCacheParams, PagedKVCache
 from specdec.core.state_store import RequestStateStore, StateSpec
 
@@ -256,42 +255,22 @@ def test_ragged_lookahead_pads_logits_and_draft_rows_within_each_request():
         p.prepare_initial_token_inputs([[a, b]], lookahead=[1])
 
 
-def test_max_dims():
-    p = _processor(max_batch_size=8, max_seq_len=32, block_size=4, num_blocks=10)
-    kv = _params(4, 10)
-    dims = p.max_dims(["batch_size", "total_tokens", "max_context", "max_new_tokens", "num_logits", "num_slots"], kv)
-    assert dims == {"batch_size": 8, "total_tokens": 256, "max_context": 32, "max_new_tokens": 32,
-                    "num_logits": 256, "num_slots": 40}
-    with pytest.raises(ValueError, match="no_such_dim"):
-        p.max_dims(["batch_size", "no_such_dim"], kv)
-    # A state store bounds its own dims.
-    p.state_store = RequestStateStore([StateSpec("draft", torch.long, ("gamma",))], max_batch_size=8, dims={"gamma": 5})
-    assert p.max_dims(["gamma", "max_batch_size", "batch_size"], kv) == {"gamma": 5, "max_batch_size": 8, "batch_size": 8}
-
-
-def test_symbolic_inputs_before_and_after_binding():
-    p = _processor()
-    kv = KVCacheParams(num_layers=3, num_kv_heads=2, head_dim=8)
-    specs = p.get_symbolic_inputs(kv_params=kv, device_refs=["cpu"])
-    assert specs[: len(DECODER_INPUT_SPECS)] == list(DECODER_INPUT_SPECS)
-    names = [s.name for s in specs]
-    assert names[: 8] == ["tokens", "positions", "slot_mapping", "gather_slots",
-                          "q_index", "q_pos", "out_index", "logit_index"]
-    assert names[8:] == ["kv_cache.k", "kv_cache.v"]
-    assert specs[8].shape == (3, "num_slots", 2, 8)
-    assert all(s.dtype == torch.int64 for s in specs[:8])
-    # Every symbolic dim is bounded.
-    dims = {d for s in specs for d in s.shape if isinstance(d, str)}
-    assert set(p.max_dims(dims, kv)) == dims
-
-    # After binding: the bound inputs, in order, state-store names sized by the store.
-    p.state_store = RequestStateStore([StateSpec("accepted", torch.long, (4,))], max_batch_size=2)
-    tree = OrderedDict([("tokens", DECODER_INPUT_SPECS[0]), ("accepted", "accepted")])
-    p.bind_input_tree(tree)
-    bound = p.get_symbolic_inputs(kv_params=kv, device_refs=["cpu"])
-    assert bound == [DECODER_INPUT_SPECS[0], InputSpec("accepted", torch.long, ("batch_size", 4))]
-    with pytest.raises(ValueError, match="nope"):
-        p.bind_input_tree(OrderedDict([("nope", 3)]))
+def test_state_store_slots_are_packed_with_the_batch():
+    p = _processor(block_size=4)
+    cache = p.runtime.kv_caches[0]
+    a, b = _ctx("a", [1, 2, 3], 0, cache), _ctx("b", [4, 5], 0, cache)
+    assert p.prepare_initial_token_inputs([[a, b]]).state_slots is None  # no store: no slots
+    a.tokens.append(6)
+    b.tokens.append(7)
+    store = RequestStateStore([StateSpec("feature", torch.float32, (2,))], max_batch_size=4)
+    p.state_store = store
+    with pytest.raises(ValueError, match="'a'"):  # a request without a slot cannot be packed
+        p.prepare_initial_token_inputs([[a, b]])
+    b.slot, a.slot = store.allocate("b"), store.allocate("a")  # slots in another order than the batch
+    store.scatter("feature", torch.tensor([a.slot, b.slot]), torch.tensor([[1.0, 1.0], [2.0, 2.0]]))
+    packed = p.prepare_initial_token_inputs([[a, b]])
+    assert packed.state_slots.tolist() == [a.slot, b.slot] == [1, 0]
+    assert store.gather("feature", packed.state_slots).tolist() == [[1.0, 1.0], [2.0, 2.0]]
 
 
 def test_mask_kind_is_decided_on_the_host():

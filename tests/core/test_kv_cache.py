@@ -1,4 +1,4 @@
-"""Paged KV cache: allocator, block tables, rollback — unit and property tests."""
+"""Paged KV cache: allocator, block tables, truncation — unit and property tests."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def test_allocator_hands_out_the_lowest_free_ids_whatever_the_free_order():
     assert a.num_free == 0
 
 
-def test_reserve_slots_truncate_rollback_worked_example():
+def test_reserve_slots_truncate_worked_example():
     c = _cache(num_blocks=4, block_size=4)
     t = BlockTable()
     c.reserve(t, 6)
@@ -66,11 +66,11 @@ def test_reserve_slots_truncate_rollback_worked_example():
     c.reserve(t, 9)
     assert t.blocks == [0, 1, 2]
     t.num_tokens = 9
-    c.rollback(t, 4)  # 9 -> 5 tokens: block 2 emptied
+    c.truncate(t, 5)  # 9 -> 5 tokens: block 2 emptied
     assert t.num_tokens == 5 and t.blocks == [0, 1] and c.allocator.num_free == 2
-    c.rollback(t, 1)  # 5 -> 4: block 1 emptied
+    c.truncate(t, 4)  # 5 -> 4: block 1 emptied
     assert t.num_tokens == 4 and t.blocks == [0]
-    c.rollback(t, 0)
+    c.truncate(t, 4)
     assert t.num_tokens == 4 and t.blocks == [0]
     with pytest.raises(ValueError):
         c.truncate(t, 5)  # cannot grow by truncating
@@ -78,13 +78,13 @@ def test_reserve_slots_truncate_rollback_worked_example():
     assert t.blocks == [] and t.num_tokens == 0 and c.allocator.num_free == 4
 
 
-def test_rollback_more_than_held_is_an_error():
+def test_truncating_below_zero_is_an_error():
     c = _cache(num_blocks=4, block_size=4)
     t = BlockTable()
     c.reserve(t, 3)
     t.num_tokens = 3
     with pytest.raises(ValueError):
-        c.rollback(t, 4)
+        c.truncate(t, -1)
     assert t.num_tokens == 3 and t.blocks == [0]  # unchanged
 
 
@@ -102,7 +102,7 @@ def test_out_of_blocks_when_exhausted():
 
 
 class KVCacheMachine(RuleBasedStateMachine):
-    """Random allocate / reserve / append / rollback / truncate / free over several tables."""
+    """Random allocate / reserve / append / truncate / free over several tables."""
 
     tables = Bundle("tables")
 
@@ -133,12 +133,6 @@ class KVCacheMachine(RuleBasedStateMachine):
     def append(self, t: BlockTable, n: int) -> None:
         if self._reserve(t, t.num_tokens + n):
             t.num_tokens += n
-
-    @precondition(lambda self: self.cache is not None)
-    @rule(t=tables, frac=st.floats(0, 1))
-    def rollback(self, t: BlockTable, frac: float) -> None:
-        n = int(t.num_tokens * frac)
-        self._shrink(t, t.num_tokens - n, lambda: self.cache.rollback(t, n))
 
     @precondition(lambda self: self.cache is not None)
     @rule(t=tables, frac=st.floats(0, 1))

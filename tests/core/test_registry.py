@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from specdec.core import registry
-from specdec.core.registry import DecoderModule, Role, is_graph_api_module, lookup, register, registered_names
+from specdec.core.registry import DecoderModule, Role, lookup, register, registered_names
 from specdec.models.config import LlamaConfig
 from specdec.models.llama import LlamaDecoder
 
@@ -106,49 +106,6 @@ def test_register_needs_a_name():
         register(Role.DECODER)
 
 
-def test_is_graph_api_module(scratch_registry):
-    class Unregistered(DecoderModule):
-        pass
-
-    assert is_graph_api_module(LlamaDecoder)
-    assert not is_graph_api_module(Unregistered)
-    assert not is_graph_api_module(nn.Linear)
-    assert not is_graph_api_module(DecoderModule)
-    assert not is_graph_api_module("LlamaForCausalLM")
-    assert not is_graph_api_module(None)
-    cfg = LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=4)
-    assert not is_graph_api_module(LlamaDecoder(cfg))  # an instance, not a class
-    register(Role.DECODER, "UnregisteredForTest")(Unregistered)
-    assert is_graph_api_module(Unregistered)
-
-
-# The class attributes the registration page lists, with their documented defaults.
-DEFAULTS = {
-    "graph_name": "decoder",
-    "supports_data_parallel": False,
-    "data_parallel_batch_inputs": None,
-    "always_signal_buffers": False,
-    "strict_state_dict_loading": True,
-    "override_quantization_encoding": False,
-}
-
-
-@pytest.mark.parametrize("attr, default", DEFAULTS.items())
-def test_class_attribute_defaults_documented(attr, default):
-    assert getattr(DecoderModule, attr) == default
-    assert f"``{attr}``" in DecoderModule.__doc__, f"{attr} is not documented in DecoderModule"
-
-
-def test_classmethod_hooks_documented():
-    assert DecoderModule.build_module.__doc__
-    assert DecoderModule.state_store.__doc__
-    assert DecoderModule.state_store(None, max_batch_size=4, devices=[torch.device("cpu")]) is None
-    assert LlamaDecoder.state_store(None, max_batch_size=4, devices=[torch.device("cpu")]) is None
-    assert LlamaDecoder.supports_data_parallel is True
-    assert LlamaDecoder.strict_state_dict_loading is True
-
-
 def _tiny_llama_config() -> LlamaConfig:
     return LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                        num_attention_heads=2, num_key_value_heads=1, head_dim=4)
@@ -180,15 +137,19 @@ def test_build_module_shares_loaded_weights_and_runs(hf_checkpoint, hf_logits):
     built = LlamaDecoder.build_module(SimpleNamespace(config=loaded.config, state_dict=sd), LlamaConfig)
     assert built.model.embed_tokens.weight.data_ptr() == sd["model.embed_tokens.weight"].data_ptr()
     pm = registered_pipeline_model(loaded, RuntimeConfig(max_batch_size=1, max_seq_len=32, block_size=4))
-    assert isinstance(pm.build_module(SimpleNamespace(config=loaded.config), LlamaConfig), LlamaDecoder)
+    # The pipeline model builds its target module once, over its own weights, and executes it from then on.
+    target = pm.build_module()
+    assert isinstance(target, LlamaDecoder) and pm.build_module() is target and pm.module is target
+    assert target.model.embed_tokens.weight.data_ptr() == sd["model.embed_tokens.weight"].data_ptr()
     prompt = list(range(3, 20))
-    ctx = TextContext("a", prompt, len(prompt), SamplingParams())
-    ctx.kv["target"] = BlockTable()
-    batch = pm.processor.prepare_initial_token_inputs([[ctx]], return_n_logits=len(prompt))
-    batch.inputs.kv_cache = pm.caches[0].tensors
-    with torch.no_grad():
-        out = built(batch.inputs)
-    assert (out.logits - hf_logits(hf, prompt)).abs().max().item() <= 1e-4
+    for module in (built, target):
+        ctx = TextContext("a", prompt, len(prompt), SamplingParams())
+        ctx.kv["target"] = BlockTable()
+        batch = pm.prepare([ctx], return_n_logits=len(prompt))
+        with torch.no_grad():
+            out = module(batch.inputs)
+        assert (out.logits - hf_logits(hf, prompt)).abs().max().item() <= 1e-4
+        pm.free(ctx)
 
 
 def test_import_specdec_does_not_import_transformers():

@@ -24,6 +24,8 @@ from specdec.engine import EngineConfig
 from specdec.spec.proposers.draft_model import DraftModelConfig
 from specdec.spec.proposers.ngram import NgramConfig
 
+from echo_drafter import EchoConfig  # tests/spec/echo_drafter.py
+
 VOCAB = 64
 MIN_MARGIN = 1e-4
 HYP = settings(
@@ -137,6 +139,8 @@ METHODS = {
     "draft_model": lambda tiny_llama, g: DraftModelConfig(
         path=str(_drafter(tiny_llama, "perturbed", "loopy").path), num_speculative_tokens=g
     ),
+    # Drafts after verification, from the target's hidden states kept in the state store.
+    "echo": lambda tiny_llama, g: EchoConfig(num_speculative_tokens=g),
 }
 
 

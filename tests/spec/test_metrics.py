@@ -26,11 +26,11 @@ from specdec.spec.metrics import SpecCounts
 from specdec.spec.proposers.base import (
     DraftBatch,
     Drafter,
-    DraftOutput,
+    DraftTree,
     Proposer,
+    ProposerConfig,
     ProposerDeps,
     register_proposer,
-    registered_proposers,
 )
 from specdec.spec.proposers.draft_model import DraftModelConfig
 from specdec.spec.proposers.ngram import NgramConfig
@@ -87,10 +87,9 @@ def test_merge_adds_counters_elementwise() -> None:
 
 
 @dataclass(frozen=True)
-class ScriptedConfig:
+class ScriptedConfig(ProposerConfig):
     """Drafts by request id: ``script[rid][i]`` is proposed for generated index ``i``."""
 
-    name: str = "scripted_test"
     num_speculative_tokens: int = 3
     script: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
@@ -101,10 +100,11 @@ class ScriptedBatch(DraftBatch):
 
 
 class ScriptedDrafter(Drafter):
-    def forward(self, batch: ScriptedBatch, sampling: SamplingTensors) -> DraftOutput:  # type: ignore[override]
-        return DraftOutput(tokens=batch.tokens, probs=None)
+    def forward(self, batch: ScriptedBatch, sampling: SamplingTensors) -> DraftTree:  # type: ignore[override]
+        return DraftTree.chain(batch.tokens)
 
 
+@register_proposer("scripted_test", ScriptedConfig)
 class ScriptedProposer(Proposer):
     def __init__(self, config: ScriptedConfig, deps: ProposerDeps | None = None) -> None:
         self.script = dict(config.script)
@@ -123,10 +123,6 @@ class ScriptedProposer(Proposer):
             first_position=torch.tensor([len(c.tokens) for c in batch], dtype=torch.long),
             tokens=torch.tensor(rows, dtype=torch.long).view(len(batch), gamma),
         )
-
-
-if "scripted_test" not in registered_proposers():
-    register_proposer("scripted_test")(ScriptedProposer)
 
 
 def _wrong_at(greedy: list[int], idx: set[int], vocab: int) -> tuple[int, ...]:

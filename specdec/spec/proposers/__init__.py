@@ -1,24 +1,32 @@
-"""Drafting methods; importing this package registers the built-in ones."""
+"""Drafting methods: each module here is one method (a config dataclass and a
+proposer registered together); :func:`proposer_class` finds them by name."""
 
-from specdec.spec.proposers import draft_model, ngram  # noqa: F401
 from specdec.spec.proposers.base import (
     DraftBatch,
     Drafter,
-    DraftOutput,
+    DraftTree,
     Proposer,
+    ProposerConfig,
     ProposerDeps,
+    TargetStep,
+    config_class,
     proposer_class,
+    proposer_for,
     register_proposer,
     registered_proposers,
 )
 
 __all__ = [
     "DraftBatch",
-    "DraftOutput",
+    "DraftTree",
     "Drafter",
     "Proposer",
+    "ProposerConfig",
     "ProposerDeps",
+    "TargetStep",
+    "config_class",
     "proposer_class",
+    "proposer_for",
     "register_proposer",
     "registered_proposers",
 ]

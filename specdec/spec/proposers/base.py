@@ -1,23 +1,47 @@
 """The proposer interface: how a drafting method plugs into speculation.
 
+A drafting method is **one module file plus one yaml** (``conf/method/<name>.yaml``).
+The module defines a config dataclass (a :class:`ProposerConfig`: it is the
+Hydra schema of ``method.<name>`` and the ``LLM(method=...)`` argument) and a
+:class:`Proposer`, registered together::
+
+    @register_proposer("ngram", NgramConfig)
+    class NgramProposer(Proposer): ...
+
+Nothing else names it: built-in proposers are found by importing every module
+of this package, others by importing the module a method's yaml names
+(``_module_: my_pkg.my_drafter``) or through the ``specdec.proposers`` entry
+point group. See docs/adding-a-drafter.md.
+
 A proposer has two halves:
 
 - the **host half** (:class:`Proposer`) keeps per-request bookkeeping (its KV
   cache, n-gram tables …) and, each step, packs what its device half needs
   into a :class:`DraftBatch`;
-- the **device half** (``Proposer.drafter``, an ``nn.Module``) turns a
-  :class:`DraftBatch` into draft tokens and their probabilities inside the
-  draft-and-verify module, with no host round trip before verification.
+- the **device half** (``Proposer.drafter``, a :class:`Drafter`) runs inside
+  the draft-and-verify module, in one of two places of the step:
 
-Proposers register by name (``@register_proposer("ngram")``) and are built
-from their own typed config; nothing dispatches on method names.
+  * before verification (``drafts_after_verify = False``): ``drafter(batch,
+    sampling)`` drafts from tokens alone (draft model, n-gram);
+  * after verification (``drafts_after_verify = True``): ``drafter.draft_after
+    (step, sampling)`` drafts the *next* step's tree from what the target just
+    computed (:class:`TargetStep`: hidden states of the layers the proposer
+    asks for, at every verified row), without a second target pass. Those
+    drafts wait in the shared :class:`RequestStateStore` until the next step
+    verifies them.
+
+Drafts are a :class:`DraftTree` per request: tokens plus a parent index; a
+chain is the degenerate tree.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from typing import ClassVar, TypeVar
 
 import torch
@@ -25,7 +49,27 @@ from torch import nn
 
 from specdec.core.context import TextContext
 from specdec.core.pipeline_model import DecoderPipelineModel, RuntimeConfig
+from specdec.core.state_store import RequestStateStore, StateSpec
 from specdec.sampling import SamplingTensors
+
+ENTRY_POINT_GROUP = "specdec.proposers"  # name -> "module" that registers that proposer
+
+
+@dataclass(frozen=True)
+class ProposerConfig:
+    """Settings every drafting method has; a method's config subclasses it.
+
+    In an experiment, options a method's node does not set come from the
+    ``method`` group itself (``method.num_speculative_tokens=8`` sets γ for
+    every selected method).
+    """
+
+    num_speculative_tokens: int = 4  # γ: draft tokens per request per step (the most; 0 is plain decoding)
+    adaptive_gamma: bool = False  # pick γ <= num_speculative_tokens per step where it pays (spec/gamma.py)
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.num_speculative_tokens <= 64):
+            raise ValueError(f"num_speculative_tokens must be in [0, 64], got {self.num_speculative_tokens}")
 
 
 @dataclass
@@ -33,7 +77,7 @@ class ProposerDeps:
     """What a proposer may need from the run, bundled (never the whole run config)."""
 
     runtime: RuntimeConfig  # sizes for a draft model's own cache
-    target: DecoderPipelineModel  # the target it drafts for (vocab, tokenizer checks)
+    target: DecoderPipelineModel  # the target it drafts for (vocab, tokenizer checks, its head)
 
 
 @dataclass
@@ -46,35 +90,93 @@ class DraftBatch:
 
 
 @dataclass
-class DraftOutput:
-    tokens: torch.Tensor  # [B, γ] int64
-    probs: torch.Tensor | None  # [B, γ, V] the draft distribution q, or None when deterministic
+class DraftTree:
+    """One step's drafts: a token tree per request, padded to ``N`` nodes.
+
+    Node ``i`` of request ``b`` holds ``tokens[b, i]``; its parent is node
+    ``parents[b, i]``, or ``-1`` for the request's last committed token (the
+    root). Parents come before their children. A chain of γ tokens is the
+    degenerate tree ``parents = [-1, 0, 1, …, γ-2]``. Example, two branches
+    under the root, the first one two deep::
+
+        tokens  = [[a, b, c]]      # a and c follow the root, b follows a
+        parents = [[-1, 0, -1]]
+
+    Verification and KV commit of branching trees come with token trees
+    (docs/architecture.md); today's drafters draft chains through this type.
+    """
+
+    tokens: torch.Tensor  # [B, N] int64
+    parents: torch.Tensor  # [B, N] int64, -1: the root
+    probs: torch.Tensor | None = None  # [B, N, V] the draft distribution each node was drawn from; None: deterministic
+    is_chain: bool = True  # host fact: parents[b, i] == i - 1 for every node
+
+    @staticmethod
+    def chain(tokens: torch.Tensor, probs: torch.Tensor | None = None) -> DraftTree:
+        """The tree of ``tokens`` [B, γ] drafted one after another."""
+        b, g = tokens.shape
+        parents = (torch.arange(g, device=tokens.device) - 1).expand(b, g)
+        return DraftTree(tokens=tokens, parents=parents, probs=probs, is_chain=True)
+
+
+@dataclass
+class TargetStep:
+    """What the target computed in this step, for a drafter that drafts after
+    verification. Row ``j`` of a request is its ``j``-th verified input: row 0
+    its last committed token, row ``j > 0`` its ``j``-th draft; the row at
+    ``num_accepted`` produced the bonus token, so a drafter continuing the
+    request reads that row."""
+
+    tokens: torch.Tensor  # [B, γ+1] emitted tokens: accepted drafts then the bonus; -1 past them
+    num_accepted: torch.Tensor  # [B]
+    hidden: torch.Tensor  # [B, γ+1, H] target's final-norm hidden state of each verified row
+    aux_hidden: torch.Tensor | None  # [B, γ+1, k·H] inputs of the proposer's target_layers at those rows
+    first_position: torch.Tensor  # [B] sequence position of row 0
+    slots: torch.Tensor  # [B] each request's slot in ``state``
+    state: RequestStateStore  # the shared per-request store (the proposer's state_specs live here)
 
 
 class Drafter(nn.Module):
-    """Device half of a proposer."""
+    """Device half of a proposer: override ``forward`` (drafts before
+    verification) or ``draft_after`` (after), as the proposer declares."""
 
-    def forward(self, batch: DraftBatch, sampling: SamplingTensors) -> DraftOutput:  # pragma: no cover
-        raise NotImplementedError
+    def forward(self, batch: DraftBatch, sampling: SamplingTensors) -> DraftTree:  # pragma: no cover
+        raise NotImplementedError(f"{type(self).__name__} does not draft before verification")
+
+    def draft_after(self, step: TargetStep, gamma: int, sampling: SamplingTensors) -> DraftTree:  # pragma: no cover
+        """The next step's drafts (``gamma`` nodes per request) from this step's target."""
+        raise NotImplementedError(f"{type(self).__name__} does not draft after verification")
 
 
 class Proposer(ABC):
-    """Host half of a drafting method."""
+    """Host half of a drafting method. Built as ``cls(config, deps)``."""
 
     name: ClassVar[str] = ""
-    # True: the drafter reads the last step's results from the shared state
-    # store (``num_accepted``, ``draft_tokens``; EAGLE-style drafters condition
-    # on them), so the pipeline writes them each step. Off, it skips the writes.
-    reads_step_state: ClassVar[bool] = False
+    config_cls: ClassVar[type[ProposerConfig]] = ProposerConfig
+    # True: the drafter drafts after verification, from the target's features
+    # (``Drafter.draft_after``); its drafts wait in the state store for the next step.
+    drafts_after_verify: ClassVar[bool] = False
+    # True (with drafts_after_verify): its drafts carry their distribution q
+    # (sampled drafts), kept in the store beside them ([max_batch, γ, vocab]).
+    samples_drafts: ClassVar[bool] = False
+    # Target layers whose inputs the drafter reads (``TargetStep.aux_hidden``);
+    # the final-norm hidden state always comes. ``num_layers`` names the last
+    # layer's output before the final norm.
+    target_layers: tuple[int, ...] = ()
     drafter: Drafter
 
-    @abstractmethod
+    def state_specs(self) -> list[StateSpec]:
+        """The per-request state this method keeps in the shared store (default none)."""
+        return []
+
     def prepare(self, batch: list[TextContext], gamma: int, num_draft: list[int]) -> DraftBatch:
         """Packs this step's drafter inputs. ``num_draft[i] <= gamma`` per request.
 
         The returned batch's ``gamma`` may be smaller than asked (a model-free
-        proposer that found fewer tokens): the step then verifies only that many.
+        proposer that found fewer tokens): the step then verifies only that
+        many. A proposer that drafts after verification is not asked.
         """
+        raise NotImplementedError(f"{type(self).__name__} drafts after verification; prepare is not called")
 
     def reserve(self, ctx: TextContext, gamma: int) -> None:
         """Makes room (KV blocks …) for drafting ``gamma`` tokens; may raise OutOfBlocks."""
@@ -89,32 +191,79 @@ class Proposer(ABC):
         """Seconds one drafting forward takes for ``batch_size`` requests (0: model-free)."""
         return 0.0
 
+    @property
+    def draft_model(self) -> DecoderPipelineModel | None:
+        """The draft decoder whose one-token forward is T_draft(1) of the analytic limit (None: model-free)."""
+        return None
+
 
 P = TypeVar("P", bound=type[Proposer])
 _PROPOSERS: dict[str, type[Proposer]] = {}
 
 
-def register_proposer(name: str) -> Callable[[P], P]:
+def register_proposer(name: str, config: type[ProposerConfig]) -> Callable[[P], P]:
+    """Class decorator: registers a proposer under ``name`` with its config dataclass."""
+    if not (isinstance(config, type) and issubclass(config, ProposerConfig)):
+        raise TypeError(f"proposer {name!r}: its config must subclass ProposerConfig, got {config!r}")
+
     def deco(cls: P) -> P:
-        if name in _PROPOSERS and _PROPOSERS[name] is not cls:
-            raise ValueError(f"proposer {name!r} is already registered to {_PROPOSERS[name].__qualname__}")
+        old = _PROPOSERS.get(name)
+        if old is not None and old.__qualname__ != cls.__qualname__:
+            raise ValueError(f"proposer {name!r} is already registered to {old.__qualname__}")
+        taken = [n for n, c in _PROPOSERS.items() if c.config_cls is config and n != name]
+        if taken:
+            raise ValueError(f"proposer {name!r}: config {config.__qualname__} already belongs to {taken[0]!r}")
         cls.name = name
-        _PROPOSERS[name] = cls
+        cls.config_cls = config
+        _PROPOSERS[name] = cls  # (re-importing a module re-registers its class)
         return cls
 
     return deco
 
 
-def proposer_class(name: str) -> type[Proposer]:
-    import specdec.spec.proposers  # noqa: F401  (registers the built-in proposers)
+def _load_builtin() -> None:
+    """Imports every module of this package (each registers its proposer)."""
+    import specdec.spec.proposers as pkg
 
+    for m in pkgutil.iter_modules(pkg.__path__):
+        importlib.import_module(f"{pkg.__name__}.{m.name}")
+
+
+def import_proposer_module(module: str, *, where: str) -> None:
+    """Imports ``module`` (a drafter outside the package); errors name ``where`` it was asked for."""
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise KeyError(f"{where}: cannot import drafter module {module!r}: {e}") from None
+
+
+def proposer_class(name: str) -> type[Proposer]:
+    """The proposer registered as ``name`` (built-in, already imported, or an entry point)."""
+    _load_builtin()
+    if name not in _PROPOSERS:
+        for ep in entry_points(group=ENTRY_POINT_GROUP, name=name):
+            import_proposer_module(ep.value.split(":")[0], where=f"entry point {ep.name!r}")
     try:
         return _PROPOSERS[name]
     except KeyError:
-        raise KeyError(f"unknown proposer {name!r}; registered: {', '.join(sorted(_PROPOSERS))}") from None
+        raise KeyError(f"unknown drafting method {name!r}; registered: {', '.join(registered_proposers())}") from None
+
+
+def config_class(name: str) -> type[ProposerConfig]:
+    """The config dataclass of the proposer registered as ``name``."""
+    return proposer_class(name).config_cls
+
+
+def proposer_for(config: ProposerConfig) -> type[Proposer]:
+    """The proposer whose config class ``config`` is an instance of."""
+    _load_builtin()
+    for cls in _PROPOSERS.values():
+        if type(config) is cls.config_cls:
+            return cls
+    raise KeyError(f"{type(config).__qualname__} is no registered proposer's config; "
+                   f"registered: {', '.join(registered_proposers())}")
 
 
 def registered_proposers() -> list[str]:
-    import specdec.spec.proposers  # noqa: F401
-
+    _load_builtin()
     return sorted(_PROPOSERS)

@@ -25,23 +25,22 @@ from specdec.spec.forward_time import forward_time
 from specdec.spec.proposers.base import (
     DraftBatch,
     Drafter,
-    DraftOutput,
+    DraftTree,
     Proposer,
+    ProposerConfig,
     ProposerDeps,
     register_proposer,
 )
 
 
 @dataclass(frozen=True)
-class DraftModelConfig:
-    name: str = "draft_model"
-    path: str = ""
-    num_speculative_tokens: int = 4
-    adaptive_gamma: bool = False  # pick γ <= num_speculative_tokens per step (spec/gamma.py)
+class DraftModelConfig(ProposerConfig):
+    path: str = ""  # the draft checkpoint directory (Hugging Face format, the target's vocabulary)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.path:
-            raise ValueError("method.path (the draft checkpoint directory) is required for draft_model")
+            raise ValueError("path (the draft checkpoint directory) is required")
 
 
 @dataclass
@@ -58,7 +57,7 @@ class DraftModelDrafter(Drafter):
 
     def __init__(self, pipeline: DecoderPipelineModel) -> None:
         super().__init__()
-        self.decoder = pipeline.module
+        self.decoder = pipeline.build_module()
         self._row_cache: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}
 
     def _rows(self, b: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -72,7 +71,7 @@ class DraftModelDrafter(Drafter):
                 torch.arange(b, device=device).unsqueeze(1))
         return rows
 
-    def forward(self, batch: DraftModelBatch, sampling: SamplingTensors) -> DraftOutput:  # type: ignore[override]
+    def forward(self, batch: DraftModelBatch, sampling: SamplingTensors) -> DraftTree:  # type: ignore[override]
         assert batch.catch_up is not None and batch.catch_up.kv_cache is not None
         kv = batch.catch_up.kv_cache
         logits = self.decoder(batch.catch_up).logits  # [B, V]
@@ -108,13 +107,13 @@ class DraftModelDrafter(Drafter):
                     mask=MaskKind.NONE if b == 1 else MaskKind.EXPLICIT,
                 )
                 logits = self.decoder(step).logits
-        return DraftOutput(
-            tokens=torch.stack(toks, dim=1),  # [B, γ]
-            probs=torch.stack(probs, dim=1) if probs else None,  # greedy: q one-hot, left implicit
+        return DraftTree.chain(
+            torch.stack(toks, dim=1),  # [B, γ]
+            torch.stack(probs, dim=1) if probs else None,  # [B, γ, V]; greedy: q one-hot, left implicit
         )
 
 
-@register_proposer("draft_model")
+@register_proposer("draft_model", DraftModelConfig)
 class DraftModelProposer(Proposer):
     """Host half: the draft's batch processor and KV bookkeeping."""
 
@@ -123,6 +122,7 @@ class DraftModelProposer(Proposer):
         self.pipeline = registered_pipeline_model(
             config.path, deps.runtime, cache_name="draft", extra_tokens=config.num_speculative_tokens + 1
         )
+        self.pipeline.build_module()  # the module the drafter calls is the one timed and executed
         vocab = self.pipeline.config.vocab_size
         target_vocab_size = deps.target.config.vocab_size
         target_tokenizer = deps.target.path / "tokenizer.json" if deps.target.path else None
@@ -144,9 +144,7 @@ class DraftModelProposer(Proposer):
         self.pipeline.reserve(ctx, len(ctx.tokens) + max(gamma - 1, 0))
 
     def prepare(self, batch: list[TextContext], gamma: int, num_draft: list[int]) -> DraftModelBatch:
-        proc = self.pipeline.processor
-        packed = proc.prepare_initial_token_inputs([batch], return_n_logits=1)
-        packed.inputs.kv_cache = self.pipeline.caches[0].tensors  # the catch-up and every step use it
+        packed = self.pipeline.prepare(batch)  # the catch-up; its KV cache serves every step
         bs = self.pipeline.caches[0].block_size
         steps = max(gamma - 1, 0)
         # Positions and KV slots of the γ-1 one-token steps, on the host (numpy).
@@ -167,10 +165,14 @@ class DraftModelProposer(Proposer):
             step_slots=torch.from_numpy(slots),
             gather_slots=torch.from_numpy(np.ascontiguousarray(gather)),  # fancy indexing may give F order
             max_len=int(lens.max()),
-        ), proc.runtime.device)
+        ), self.pipeline.device)
 
     def draft_cost(self, batch_size: int, context_len: int) -> float:
         return forward_time(self.pipeline, batch_size, max(context_len, batch_size), repeats=7, stat="min")
+
+    @property
+    def draft_model(self) -> DecoderPipelineModel:
+        return self.pipeline
 
     def commit(self, ctx: TextContext, num_committed: int) -> None:
         # Keep the fed draft tokens that were accepted (they equal committed tokens);

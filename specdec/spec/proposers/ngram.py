@@ -19,24 +19,23 @@ from specdec.sampling import SamplingTensors
 from specdec.spec.proposers.base import (
     DraftBatch,
     Drafter,
-    DraftOutput,
+    DraftTree,
     Proposer,
+    ProposerConfig,
     ProposerDeps,
     register_proposer,
 )
 
 
 @dataclass(frozen=True)
-class NgramConfig:
-    name: str = "ngram"
-    num_speculative_tokens: int = 4
-    adaptive_gamma: bool = False  # pick γ <= num_speculative_tokens per step (spec/gamma.py)
-    max_n: int = 3
-    min_n: int = 1
+class NgramConfig(ProposerConfig):
+    max_n: int = 3  # longest n-gram looked up
+    min_n: int = 1  # shortest
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not (1 <= self.min_n <= self.max_n):
-            raise ValueError(f"method.min_n/max_n need 1 <= min_n <= max_n, got {self.min_n}, {self.max_n}")
+            raise ValueError(f"min_n / max_n need 1 <= min_n <= max_n, got {self.min_n}, {self.max_n}")
 
 
 @dataclass
@@ -53,8 +52,8 @@ class NgramDraftBatch(DraftBatch):
 class NgramDrafter(Drafter):
     """The proposals were found on the host; they are deterministic (q one-hot)."""
 
-    def forward(self, batch: NgramDraftBatch, sampling: SamplingTensors) -> DraftOutput:  # type: ignore[override]
-        return DraftOutput(tokens=batch.tokens, probs=None)
+    def forward(self, batch: NgramDraftBatch, sampling: SamplingTensors) -> DraftTree:  # type: ignore[override]
+        return DraftTree.chain(batch.tokens)
 
 
 def lookup(tokens: list[int], index: _Index, max_n: int, min_n: int, k: int) -> list[int]:
@@ -76,7 +75,7 @@ def lookup(tokens: list[int], index: _Index, max_n: int, min_n: int, k: int) -> 
     return []
 
 
-@register_proposer("ngram")
+@register_proposer("ngram", NgramConfig)
 class NgramProposer(Proposer):
     def __init__(self, config: NgramConfig, deps: ProposerDeps | None = None) -> None:
         self.config = config
