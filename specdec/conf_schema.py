@@ -1,16 +1,19 @@
 """Structured configs of an experiment: the schema Hydra checks ``conf/`` against.
 
-Every config group has a dataclass here, registered in Hydra's ConfigStore
-(``run_schema`` is the first entry of ``conf/run.yaml``'s defaults), so a
-misspelt key or a value of the wrong type fails when the config is composed,
-naming the key (``full_key: method.num_speculativ_tokens``). Value checks
-(ranges, choices) run in ``__post_init__`` when :func:`to_run_config` turns the
-composed config into these objects, and name the key too.
+The schema of each config group is the component's own config dataclass
+(:class:`SamplingParams`, :class:`RuntimeConfig`, :class:`EngineConfig`,
+:class:`DataConfig`, each drafting method's registered config), so every
+default and every check is written once, there. :class:`RunConfig` adds what
+only a run has and is registered in Hydra's ConfigStore (``run_schema`` is the
+first entry of ``conf/run.yaml``'s defaults): a misspelt key or a value of the
+wrong type fails naming the key (``full_key: runtime.max_seq_lne``). Value
+checks run in the dataclasses' ``__post_init__`` when :func:`to_run_config`
+turns the composed config into objects. The ``method`` node is checked per
+selected method against that method's dataclass (:func:`method_configs`), so
+a drafter added as one module and one yaml needs no edit here.
 
-Components never see this run config: :func:`build_components` turns it into
-each component's own typed config (:class:`RuntimeConfig`,
-:class:`EngineConfig`, :class:`SamplingParams`, the proposers'
-``DraftModelConfig`` / ``NgramConfig`` …).
+Components never see this run config: :func:`build_components` hands each
+its own typed config.
 
 Custom OmegaConf resolvers (registered on import):
 
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
@@ -37,6 +40,7 @@ from specdec.core.context import SamplingParams
 from specdec.core.pipeline_model import RuntimeConfig
 from specdec.data.prompts import DataConfig
 from specdec.engine import EngineConfig
+from specdec.spec.proposers.base import ProposerConfig, config_class, import_proposer_module
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 ZOO_DIR = PACKAGE_DIR / "zoo"
@@ -86,155 +90,18 @@ def register_resolvers() -> None:
 
 
 # --------------------------------------------------------------------------------------
-# group schemas
+# group schemas: the components' own config dataclasses, plus what only a run has
 # --------------------------------------------------------------------------------------
 @dataclass
-class TargetSchema:
-    """``target/``: the model whose output speculation must reproduce."""
+class CheckpointDir:
+    """``target/`` and ``draft/``: a Hugging Face-format checkpoint directory."""
 
-    path: str = MISSING  # a Hugging Face-format checkpoint directory
-
-    def __post_init__(self) -> None:
-        if not self.path:
-            raise ValueError("target.path must name a checkpoint directory")
+    path: Optional[str] = None  # target: required; draft: only methods that read ${draft.path}
 
 
-@dataclass
-class DraftSchema:
-    """``draft/``: the draft checkpoint (``method.draft_model.path`` defaults to it)."""
-
-    path: Optional[str] = None
-
-
-@dataclass
-class DraftModelMethod:
-    """``method/draft_model``: an independent draft model sharing the target's vocabulary."""
-
-    path: str = MISSING  # the draft checkpoint directory
-    num_speculative_tokens: Optional[int] = None  # None: method.num_speculative_tokens
-
-    def __post_init__(self) -> None:
-        if not self.path:
-            raise ValueError("method.draft_model.path (the draft checkpoint directory) is required")
-
-    def to_component(self, gamma: int, adaptive: bool) -> Any:
-        from specdec.spec.proposers.draft_model import DraftModelConfig
-
-        return DraftModelConfig(path=self.path, num_speculative_tokens=gamma, adaptive_gamma=adaptive)
-
-
-@dataclass
-class NgramMethod:
-    """``method/ngram``: prompt-lookup drafting, no model."""
-
-    max_n: int = 3
-    min_n: int = 1
-    num_speculative_tokens: Optional[int] = None  # None: method.num_speculative_tokens
-
-    def __post_init__(self) -> None:
-        if not (1 <= self.min_n <= self.max_n):
-            raise ValueError(
-                f"method.ngram.min_n / method.ngram.max_n need 1 <= min_n <= max_n, got {self.min_n}, {self.max_n}"
-            )
-
-    def to_component(self, gamma: int, adaptive: bool) -> Any:
-        from specdec.spec.proposers.ngram import NgramConfig
-
-        return NgramConfig(num_speculative_tokens=gamma, max_n=self.max_n, min_n=self.min_n, adaptive_gamma=adaptive)
-
-
-# name -> schema of that method's options. A new proposer adds a field to
-# MethodSchema and an entry here (its conf/method/<name>.yaml fills the field).
-METHOD_SCHEMAS: dict[str, type] = {"draft_model": DraftModelMethod, "ngram": NgramMethod}
-
-
-@dataclass
-class MethodSchema:
-    """``method/``: the speculative methods compared with plain decoding in one run.
-
-    Options are selected as a list (``method=[draft_model,ngram]``, the
-    default; ``method=ngram``; ``method=none`` for the plain baseline only);
-    each selected option fills its own sub-node. ``num_speculative_tokens``
-    (γ) applies to every selected method unless the method sets its own.
-    """
-
-    num_speculative_tokens: int = 4
-    # true: each step drafts the γ <= num_speculative_tokens that pays best
-    # (0 where speculation cannot pay: big batches, low acceptance); spec/gamma.py
-    adaptive_gamma: bool = False
-    draft_model: Optional[DraftModelMethod] = None
-    ngram: Optional[NgramMethod] = None
-
-    def __post_init__(self) -> None:
-        for key, g in self._gammas().items():
-            if not (0 <= g <= 64):
-                raise ValueError(f"{key} must be in [0, 64], got {g}")
-
-    def _gammas(self) -> dict[str, int]:
-        out = {"method.num_speculative_tokens": self.num_speculative_tokens}
-        for name in METHOD_SCHEMAS:
-            m = getattr(self, name)
-            if m is not None and m.num_speculative_tokens is not None:
-                out[f"method.{name}.num_speculative_tokens"] = m.num_speculative_tokens
-        return out
-
-    def selected(self) -> dict[str, Any]:
-        """The selected methods, in declaration order: name -> its schema."""
-        return {n: getattr(self, n) for n in METHOD_SCHEMAS if getattr(self, n) is not None}
-
-    def gamma(self, name: str) -> int:
-        m = getattr(self, name)
-        return self.num_speculative_tokens if m.num_speculative_tokens is None else m.num_speculative_tokens
-
-    def components(self) -> dict[str, Any]:
-        """name -> the proposer's own config (``DraftModelConfig``, ``NgramConfig`` …)."""
-        return {n: m.to_component(self.gamma(n), self.adaptive_gamma) for n, m in self.selected().items()}
-
-
-@dataclass
-class SamplingSchema:
-    """``sampling/``: mirrors :class:`specdec.core.context.SamplingParams`."""
-
-    temperature: float = 0.0  # 0: greedy (outputs must equal plain decoding's)
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: Optional[int] = None  # None: one per request, derived from engine.seed and the request id
-    max_new_tokens: int = 64
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        self.to_component().validate()  # raises naming sampling.<key>
-
-    def to_component(self) -> SamplingParams:
-        return SamplingParams(
-            temperature=float(self.temperature),
-            top_k=self.top_k,
-            top_p=float(self.top_p),
-            seed=self.seed,
-            max_new_tokens=self.max_new_tokens,
-            stop_token_ids=tuple(self.stop_token_ids),
-            ignore_eos=self.ignore_eos,
-        )
-
-
-@dataclass
-class DataSchema:
-    """``data/``: mirrors :class:`specdec.data.prompts.DataConfig`."""
-
-    path: str = MISSING  # a JSONL file of prompts
-    text_field: str = "auto"  # "auto": prompt, text, turns, question, instruction, input
-    id_field: str = "auto"  # "auto": id, question_id, else the line number
-    source_field: str = "auto"  # "auto": source, category (optional)
-    turn: int = 0  # which element when the text field is a list (Spec-Bench "turns")
-    limit: Optional[int] = None  # the first `limit` prompts only
-    max_prompt_tokens: Optional[int] = None  # keep the last N prompt tokens
-
-    def __post_init__(self) -> None:
-        self.to_component()
-
-    def to_component(self) -> DataConfig:
-        return DataConfig(**asdict(self))
+def _method_defaults() -> dict[str, Any]:
+    # The settings every method shares, with ProposerConfig's own defaults.
+    return {f.name: f.default for f in fields(ProposerConfig)}
 
 
 class WandbMode(str, Enum):
@@ -267,64 +134,20 @@ class LoggerSchema:
 
 
 @dataclass
-class RuntimeSchema:
-    """``runtime/``: mirrors :class:`specdec.core.pipeline_model.RuntimeConfig`."""
-
-    max_batch_size: int = 1
-    max_seq_len: int = 1024
-    block_size: int = 16
-    num_blocks: Optional[int] = None  # None: enough for max_batch_size full sequences
-    dtype: Optional[str] = "float32"  # None: the checkpoint's dtype
-    device: str = "cpu"
-    threads: Optional[int] = None  # torch.set_num_threads; None: torch's default
-    compile: bool = False  # torch.compile the decoders (first calls compile; see docs)
-
-    def __post_init__(self) -> None:
-        self.to_component()
-        if self.dtype is not None and self.dtype not in ("float32", "float16", "bfloat16", "float64"):
-            raise ValueError(f"runtime.dtype must be float32, float16, bfloat16, float64 or null, got {self.dtype!r}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"runtime.threads must be >= 1, got {self.threads}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"runtime.num_blocks must be >= 1, got {self.num_blocks}")
-
-    def to_component(self) -> RuntimeConfig:
-        return RuntimeConfig(
-            max_batch_size=self.max_batch_size,
-            max_seq_len=self.max_seq_len,
-            block_size=self.block_size,
-            num_blocks=self.num_blocks,
-            dtype=self.dtype,
-            device=self.device,
-            compile=self.compile,
-        )
-
-
-@dataclass
-class EngineSchema:
-    """Mirrors :class:`specdec.engine.EngineConfig` (``max_batch_size`` is the run's ``batch_size``)."""
-
-    max_tokens_per_step: int = 2048
-    seed: int = 0
-
-    def to_component(self, max_batch_size: int) -> EngineConfig:
-        return EngineConfig(
-            max_batch_size=max_batch_size, max_tokens_per_step=self.max_tokens_per_step, seed=self.seed
-        )
-
-
-@dataclass
 class RunConfig:
     """``conf/run.yaml``: one experiment (plain baseline + every selected method)."""
 
     name: str = "default"  # the run's name (output dir, W&B run name)
-    target: TargetSchema = field(default_factory=TargetSchema)
-    draft: DraftSchema = field(default_factory=DraftSchema)
-    method: MethodSchema = field(default_factory=MethodSchema)
-    sampling: SamplingSchema = field(default_factory=SamplingSchema)
-    data: DataSchema = field(default_factory=DataSchema)
-    runtime: RuntimeSchema = field(default_factory=RuntimeSchema)
-    engine: EngineSchema = field(default_factory=EngineSchema)
+    target: CheckpointDir = field(default_factory=CheckpointDir)
+    draft: CheckpointDir = field(default_factory=CheckpointDir)
+    # method.<name>: one node per selected method, each checked against its
+    # registered config dataclass (see method_configs); plus the shared
+    # settings (num_speculative_tokens, adaptive_gamma) those nodes inherit.
+    method: dict[str, Any] = field(default_factory=_method_defaults)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    data: DataConfig = MISSING
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     logger: LoggerSchema = field(default_factory=LoggerSchema)
     batch_size: int = 1  # requests run together (1: one at a time, cleanest timing)
     warmup: int = 1  # warm-up generations per pipeline before timing (not recorded)
@@ -337,6 +160,8 @@ class RunConfig:
     progress: bool = True  # tqdm progress bars
 
     def __post_init__(self) -> None:
+        if not self.target.path:
+            raise ValueError("target.path must name a checkpoint directory")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.batch_size > self.runtime.max_batch_size:
@@ -356,10 +181,10 @@ class RunConfig:
 # --------------------------------------------------------------------------------------
 @dataclass
 class Components:
-    """Each component's own typed config, built from one :class:`RunConfig`."""
+    """Each component's own typed config, from one :class:`RunConfig`."""
 
     target: str
-    methods: dict[str, Any]  # name -> proposer config
+    methods: dict[str, ProposerConfig]  # name -> the proposer's config, in selection order
     sampling: SamplingParams
     runtime: RuntimeConfig
     engine: EngineConfig
@@ -368,6 +193,70 @@ class Components:
 
 class ConfigError(ValueError):
     """A config value that fails its check (the message names the key)."""
+
+
+def method_configs(node: dict[str, Any], selected: list[str] | None = None) -> dict[str, ProposerConfig]:
+    """The ``method`` node -> each selected method's config, checked against its dataclass.
+
+    Keys of ``node``: the shared settings (a :class:`ProposerConfig` field,
+    inherited by every method that does not set it) and one sub-node per
+    selected method, named as its proposer is registered. A sub-node may name
+    the module that registers a drafter living outside the package
+    (``_module_: my_pkg.my_drafter``). ``selected``: the methods the ``method``
+    group chose, when known; a sub-node for any other is an error (an option
+    set for a method that does not run). Raises :class:`ConfigError` naming the key.
+    """
+    shared_keys = {f.name for f in fields(ProposerConfig)}
+    shared = {k: v for k, v in node.items() if k in shared_keys}
+    try:
+        ProposerConfig(**shared)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"method.{e}") from None
+    out: dict[str, ProposerConfig] = {}
+    for name, sub in node.items():
+        if name in shared_keys:
+            continue
+        if selected is not None and name not in selected:
+            raise ConfigError(f"method.{name} is set, but method {name!r} is not selected (method="
+                              f"[{','.join(selected)}]); select it with method=[{','.join([*selected, name])}]")
+        if not isinstance(sub, dict):
+            raise ConfigError(f"method.{name}: expected the options of a drafting method, got {sub!r} "
+                              f"(shared settings: {', '.join(sorted(shared_keys))})")
+        sub = dict(sub)
+        module = sub.pop("_module_", None)
+        try:
+            if module is not None:
+                import_proposer_module(str(module), where=f"method.{name}._module_")
+            cls = config_class(name)
+        except KeyError as e:
+            raise ConfigError(f"method.{name}: {e.args[0]}") from None
+        try:
+            merged = OmegaConf.merge(OmegaConf.structured(cls), {**shared, **sub})
+            out[name] = OmegaConf.to_object(merged)  # type: ignore[assignment]
+        except OmegaConfBaseException as e:
+            key = getattr(e, "full_key", None)
+            raise ConfigError(f"method.{name}.{key}: {e.msg}" if key else f"method.{name}: {e}") from None
+        except ValueError as e:
+            raise ConfigError(f"method.{name}.{e}") from None
+    return out
+
+
+def _selected_methods(cfg: DictConfig) -> list[str] | None:
+    """The ``method`` group's choice when the composed config or Hydra records it."""
+    choices: Any = None
+    if "hydra" in cfg:
+        choices = OmegaConf.select(cfg, "hydra.runtime.choices")
+    else:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            choices = HydraConfig.get().runtime.choices
+    if choices is None or "method" not in choices:
+        return None  # the defaults list's choice: its nodes are the selection
+    chosen = choices["method"]
+    if isinstance(chosen, str):
+        chosen = chosen.strip("[]").split(",") if chosen.startswith("[") else [chosen]
+    return [str(c).strip() for c in chosen if str(c).strip() not in ("", "none")]
 
 
 def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
@@ -380,23 +269,30 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
     if not isinstance(cfg, DictConfig):
         raise TypeError(f"expected a composed DictConfig or RunConfig, got {type(cfg).__name__}")
     try:
-        body = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]) if "hydra" in cfg else cfg
-        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), body)
+        # As plain data, so a key the schema lacks (``+foo=1``) is an error here too.
+        node = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]) if "hydra" in cfg else cfg
+        body = OmegaConf.to_container(node, resolve=True)
+        merged = OmegaConf.merge(_writable(OmegaConf.structured(RunConfig)), body)
         obj = OmegaConf.to_object(merged)
     except (ValueError, OmegaConfBaseException) as e:
         raise ConfigError(str(e)) from e
     assert isinstance(obj, RunConfig)
+    method_configs(obj.method, _selected_methods(cfg))  # every selected method's options checked now, at start
+    try:
+        obj.sampling.validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return obj
 
 
 def build_components(rc: RunConfig) -> Components:
     return Components(
-        target=rc.target.path,
-        methods=rc.method.components(),
-        sampling=rc.sampling.to_component(),
-        runtime=rc.runtime.to_component(),
-        engine=rc.engine.to_component(rc.batch_size),
-        data=rc.data.to_component(),
+        target=str(rc.target.path),
+        methods=method_configs(rc.method),
+        sampling=replace(rc.sampling, stop_token_ids=tuple(rc.sampling.stop_token_ids)),
+        runtime=rc.runtime,
+        engine=rc.engine,
+        data=rc.data,
     )
 
 
@@ -411,7 +307,22 @@ def to_plain_dict(rc: RunConfig) -> dict[str, Any]:
 def register_configs() -> None:
     """Stores the schema in Hydra's ConfigStore (``conf/run.yaml`` starts from ``run_schema``)."""
     cs = ConfigStore.instance()
-    cs.store(name="run_schema", node=RunConfig)
+    schema = _writable(OmegaConf.structured(RunConfig))
+    # Open: a selected method's options are checked against its own dataclass
+    # (method_configs), so method.ngram.max_n=4 needs no '+'.
+    OmegaConf.set_struct(schema.method, False)
+    cs.store(name="run_schema", node=schema)
+
+
+def _writable(node: DictConfig) -> DictConfig:
+    """The schema with OmegaConf's read-only flag lifted from frozen dataclasses'
+    nodes (the components' configs are frozen; composing must still fill them)."""
+    OmegaConf.set_readonly(node, False)
+    for key in node.keys():
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            _writable(child)
+    return node
 
 
 register_resolvers()
