@@ -220,8 +220,8 @@ def method_configs(node: dict[str, Any], selected: list[str] | None = None) -> d
             raise ConfigError(f"method.{name} is set, but method {name!r} is not selected (method="
                               f"[{','.join(selected)}]); select it with method=[{','.join([*selected, name])}]")
         if not isinstance(sub, dict):
-            raise ConfigError(f"method.{name}: expected the options of a drafting method, got {sub!r} "
-                              f"(shared settings: {', '.join(sorted(shared_keys))})")
+            raise ConfigError(f"method.{name}: neither a setting every method shares "
+                              f"({', '.join(sorted(shared_keys))}) nor a drafting method's options (got {sub!r})")
         sub = dict(sub)
         module = sub.pop("_module_", None)
         try:

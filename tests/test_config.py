@@ -19,6 +19,7 @@ from specdec.data import DataConfig
 from specdec.engine import EngineConfig
 from specdec.experiment import build_logger
 from specdec.logging import NullLogger, WandbLogger
+from specdec.spec.proposers import config_class
 from specdec.spec.proposers.draft_model import DraftModelConfig
 from specdec.spec.proposers.ngram import NgramConfig
 
@@ -74,7 +75,7 @@ def test_every_group_option_builds_typed_components(group, option):
     assert isinstance(comps.engine, EngineConfig)
     assert isinstance(comps.data, DataConfig)
     for name, m in comps.methods.items():
-        assert isinstance(m, (DraftModelConfig, NgramConfig)) and m.name == name
+        assert type(m) is config_class(name)
     logger = build_logger(rc.logger)
     assert isinstance(logger, WandbLogger if rc.logger.name == "wandb" else NullLogger)
     if group == "method":
@@ -95,7 +96,7 @@ def test_method_selection_and_per_method_gamma():
 def test_experiment_presets_state_only_what_changes():
     quick = to_run_config(_compose(["experiment=quick"]))
     assert (quick.name, quick.data.limit, quick.sampling.max_new_tokens, quick.logger.name) == ("quick", 4, 16, "none")
-    assert quick.method.num_speculative_tokens == 4  # untouched
+    assert quick.method["num_speculative_tokens"] == 4  # untouched
     sweep = _compose(["experiment=gamma_sweep"], hydra=True)
     assert str(sweep.hydra.mode) == "RunMode.MULTIRUN"
     assert sweep.hydra.sweeper.params["method.num_speculative_tokens"] == "1,2,4,8"
@@ -104,9 +105,7 @@ def test_experiment_presets_state_only_what_changes():
 @pytest.mark.parametrize(
     "override,key",
     [
-        ("method.num_speculativ_tokens=3", "method.num_speculativ_tokens"),
         ("sampling.temprature=0.5", "sampling.temprature"),
-        ("method.ngram.max_nn=2", "method.ngram.max_nn"),
         ("sampling.temperature=hot", "sampling.temperature"),
         ("runtime.max_seq_len=long", "runtime.max_seq_len"),
         ("logger.mode=sometimes", "logger.mode"),
@@ -132,14 +131,29 @@ def test_misspelt_key_or_wrong_type_fails_at_compose_naming_the_key(override, ke
         ("batch_size=4", "batch_size"),  # > runtime.max_batch_size given explicitly below
         ("data.limit=0", "data.limit"),
         ("logger.name=tensorboard", "logger.name"),
+        # Checked at start against the schema (the method node against each method's own dataclass):
+        ("+foo=1", "foo"),
+        ("method.num_speculativ_tokens=3", "method.num_speculativ_tokens"),
+        ("method.ngram.max_nn=2", "method.ngram.max_nn"),
+        ("method.ngram.max_n=oops", "method.ngram.max_n"),
+        ("+method.no_such_method.x=1", "no_such_method"),
     ],
 )
 def test_bad_value_fails_at_start_naming_the_key(override, key):
     extra = ["runtime.max_batch_size=2"] if override.startswith("batch_size") else []
-    cfg = _compose([override, *extra])
+    cfg = _compose([override, *extra], hydra=True)
     with pytest.raises(ValueError) as e:
         to_run_config(cfg)
     assert key in str(e.value)
+
+
+def test_an_option_for_a_method_that_does_not_run_is_an_error():
+    cfg = _compose(["method=ngram", "method.draft_model.path=/x"], hydra=True)
+    with pytest.raises(ValueError, match=r"method\.draft_model is set, but method 'draft_model' is not selected"):
+        to_run_config(cfg)
+    comps = build_components(to_run_config(_compose(["method=[ngram,draft_model]", "method.draft_model.path=/x"],
+                                                    hydra=True)))
+    assert comps.methods["draft_model"].path == "/x"
 
 
 def test_run_dirs_never_collide_and_resume_dir_is_reused():
