@@ -2,7 +2,7 @@
 
 The schema of each config group is the component's own config dataclass
 (:class:`SamplingParams`, :class:`RuntimeConfig`, :class:`EngineConfig`,
-:class:`DataConfig`, each drafting method's registered config), so every
+:class:`DataConfig`, :class:`LoggerConfig`, each drafting method's registered config), so every
 default and every check is written once, there. :class:`RunConfig` adds what
 only a run has and is registered in Hydra's ConfigStore (``run_schema`` is the
 first entry of ``conf/run.yaml``'s defaults): a misspelt key or a value of the
@@ -28,7 +28,6 @@ from __future__ import annotations
 import os
 import secrets
 from dataclasses import dataclass, field, fields, replace
-from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
 
@@ -40,6 +39,7 @@ from specdec.core.context import SamplingParams
 from specdec.core.pipeline_model import RuntimeConfig
 from specdec.data.prompts import DataConfig
 from specdec.engine import EngineConfig
+from specdec.logging import LoggerConfig
 from specdec.spec.proposers.base import ProposerConfig, config_class, import_proposer_module
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -104,35 +104,6 @@ def _method_defaults() -> dict[str, Any]:
     return {f.name: f.default for f in fields(ProposerConfig)}
 
 
-class WandbMode(str, Enum):
-    online = "online"
-    offline = "offline"
-    disabled = "disabled"
-
-
-@dataclass
-class LoggerSchema:
-    """``logger/``: ``wandb`` (offline by default) or ``none``."""
-
-    name: str = "none"  # "wandb" | "none"
-    mode: WandbMode = WandbMode.offline
-    project: str = "specdec"
-    entity: Optional[str] = None
-    group: Optional[str] = None
-    tags: list[str] = field(default_factory=list)
-    dir: Optional[str] = None  # None: $WANDB_DIR, else the run directory
-    init_timeout_s: float = 15.0
-    log_requests: bool = True  # one W&B step per completed request
-
-    def __post_init__(self) -> None:
-        from specdec.logging import LOGGERS
-
-        if self.name not in LOGGERS:
-            raise ValueError(f"logger.name must be one of {sorted(LOGGERS)}, got {self.name!r}")
-        if self.init_timeout_s <= 0:
-            raise ValueError(f"logger.init_timeout_s must be > 0, got {self.init_timeout_s}")
-
-
 @dataclass
 class RunConfig:
     """``conf/run.yaml``: one experiment (plain baseline + every selected method)."""
@@ -148,7 +119,7 @@ class RunConfig:
     data: DataConfig = MISSING
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    logger: LoggerSchema = field(default_factory=LoggerSchema)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     batch_size: int = 1  # requests run together (1: one at a time, cleanest timing)
     warmup: int = 1  # warm-up generations per pipeline before timing (not recorded)
     warmup_tokens: int = 8  # new tokens per warm-up generation

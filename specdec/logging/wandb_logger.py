@@ -36,15 +36,17 @@ class WandbConfig:
     mode: str = "offline"  # online | offline | disabled
     project: str = "specdec"
     entity: str | None = None
-    group: str | None = None
+    group: str | None = None  # None: <name>-<sweep> in a multirun
     tags: tuple[str, ...] = ()
-    dir: str | None = None
+    dir: str | None = None  # None: $WANDB_DIR, else the run directory
     init_timeout_s: float = 15.0
-    log_requests: bool = True
+    log_requests: bool = True  # one W&B step per completed request
 
     def __post_init__(self) -> None:
         if self.mode not in ("online", "offline", "disabled"):
             raise ValueError(f"logger.mode must be online, offline or disabled, got {self.mode!r}")
+        if self.init_timeout_s <= 0:
+            raise ValueError(f"logger.init_timeout_s must be > 0, got {self.init_timeout_s}")
 
 
 class WandbLogger(RunLogger):

@@ -1,4 +1,4 @@
-"""Bare forward times of a decoder, for the analytic speedup limit.
+"""A bare forward's time, for the analytic speedup limit and adaptive γ's cost model.
 
 ``forward_time(pm, n, ctx_len)`` times one module call that feeds ``n`` new
 tokens to a single request whose cache already holds ``ctx_len - n`` tokens:
@@ -49,20 +49,3 @@ def forward_time(pm: DecoderPipelineModel, n: int, ctx_len: int, *, repeats: int
         return min(times) if stat == "min" else statistics.median(times)
     finally:
         cache.free(table)
-
-
-def forward_times(
-    runs: dict[str, tuple[DecoderPipelineModel, int]], ctx_len: int, *, rounds: int = 5, repeats: int = 10
-) -> dict[str, float]:
-    """Median bare forward times of several ``name -> (model, n tokens)`` runs, interleaved.
-
-    Each of ``rounds`` rounds times every run once (``repeats`` calls each),
-    and the result is the median over rounds. A slow spell of a busy machine
-    then falls on every run alike, so ratios of these times (the analytic
-    limit is one) hold better than when each is timed in one block.
-    """
-    per: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(rounds):
-        for name, (pm, n) in runs.items():
-            per[name].append(forward_time(pm, n, ctx_len, repeats=repeats))
-    return {k: statistics.median(v) for k, v in per.items()}

@@ -238,7 +238,10 @@ class SpecDecodePipelineModel:
 
     def stats(self) -> RunStats:
         """Figures since the last :meth:`reset_stats` (definitions: spec/metrics.py)."""
-        return RunStats(counts=self.run_counts(), per_request=dict(self.counts),
+        total = SpecCounts()
+        for c in self.counts.values():
+            total.merge(c)
+        return RunStats(counts=total, per_request=dict(self.counts),
                         target_forwards=self.num_target_forwards,
                         draft_time_s=self.module.draft_time, target_time_s=self.module.target_time)
 
@@ -246,12 +249,6 @@ class SpecDecodePipelineModel:
         self.counts = {}
         self.num_target_forwards = 0
         self.module.draft_time = self.module.target_time = 0.0
-
-    def run_counts(self) -> SpecCounts:
-        total = SpecCounts()
-        for c in self.counts.values():
-            total.merge(c)
-        return total
 
     # -- engine protocol -------------------------------------------------------------
     def unprocessed(self, ctx: TextContext) -> int:

@@ -39,7 +39,7 @@ def test_compiled_speculation_matches_eager(tiny_llama) -> None:
         runs[compile_] = (
             [o.token_ids for o in plain.generate(prompts, sp)],
             [o.token_ids for o in spec.generate(prompts, sp)],
-            spec.pipeline.run_counts(),
+            spec.pipeline.stats().counts,
         )
     (eager_plain, eager_spec, eager_counts), (comp_plain, comp_spec, comp_counts) = runs[False], runs[True]
     assert eager_spec == eager_plain

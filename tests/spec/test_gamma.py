@@ -73,8 +73,8 @@ def test_adaptive_gamma_starts_fresh_for_each_request(tiny_llama) -> None:
     prompts, sp = [[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=24, ignore_eos=True)
     proposed = []
     for _ in range(2):  # the run's counters accumulate: take each call's share
-        before = llm.pipeline.run_counts().proposed
+        before = llm.pipeline.stats().counts.proposed
         llm.generate(prompts, sp)
-        proposed.append(llm.pipeline.run_counts().proposed - before)
+        proposed.append(llm.pipeline.stats().counts.proposed - before)
     assert proposed[0] > 0
     assert proposed[1] == proposed[0]

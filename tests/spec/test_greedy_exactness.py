@@ -97,7 +97,7 @@ def _draft_model_case(tiny_llama, generate, greedy_margin, data) -> None:
     method = DraftModelConfig(path=str(drafter.path), num_speculative_tokens=gamma)
     llm = _check_exact(generate, greedy_margin, target, method, ps, sps, block)
     if dkind == "self":  # the drafter *is* the target: every proposal is kept
-        assert llm.pipeline.run_counts().alpha == 1.0
+        assert llm.pipeline.stats().counts.alpha == 1.0
 
 
 @HYP
@@ -153,7 +153,7 @@ def test_ngram_drafts_are_accepted_on_a_repetitive_target(tiny_llama, generate) 
     ref, _ = generate(target, None, ps, sp)
     out, llm = generate(target, METHODS["ngram"](tiny_llama, 4), ps, sp)
     assert out == ref
-    c = llm.pipeline.run_counts()
+    c = llm.pipeline.stats().counts
     assert c.alpha > 0.15, c.summary()
     assert c.tau > 1.3, c.summary()
 
@@ -213,7 +213,7 @@ def test_stop_id_inside_an_accepted_run(tiny_llama, generate) -> None:
         (out,), llm = generate(target, _self_draft(target, 6), [p], sp)
         assert ref == f[: idx + 1]
         assert out == ref
-        assert llm.pipeline.run_counts().steps == 1  # it all came from the first (accepted) run
+        assert llm.pipeline.stats().counts.steps == 1  # it all came from the first (accepted) run
         checked += 1
     assert checked >= 3
 
@@ -305,7 +305,7 @@ def test_chunks_share_the_forward_of_a_step_that_drafts_nothing(tiny_llama, gene
     ref, plain = generate(target, None, ps, sp, engine=ec)
     out, llm = generate(target, METHODS[method](tiny_llama, 0), ps, sp, engine=ec)
     assert out == ref
-    assert llm.pipeline.num_target_forwards == plain.pipeline.num_forwards
+    assert llm.pipeline.stats().target_forwards == plain.pipeline.stats().target_forwards
 
 
 @pytest.mark.parametrize("method", list(METHODS))
@@ -326,7 +326,7 @@ def test_per_request_gamma_in_one_batch(tiny_llama, generate, method) -> None:
     engine.run()
     assert [c.generated for c in ctxs] == ref
     for c, g in zip(ctxs, gammas):
-        counts = llm.pipeline.counts[c.request_id]
+        counts = llm.pipeline.stats().per_request[c.request_id]
         g_eff = 6 if g is None else g
         assert counts.proposed <= g_eff * counts.steps  # never more than its own γ per step
         if g_eff == 0:

@@ -157,7 +157,7 @@ def test_scripted_drafter_counts_by_hand(target, generate) -> None:
     # reached:     s1 [1,1,0] s2 [1,1,1] s3 [1,0,0] s4 [1,1,1] -> [4,3,2]
     # accepted_at: s1 [1,0,0] s2 [1,1,1] s3 [0,0,0] s4 [1,1,1] -> [3,2,2]
     # hist: k = 1, 3, 0, 3, 0 -> [2, 1, 0, 2]
-    c0 = llm.pipeline.counts["req-0"]
+    c0 = llm.pipeline.stats().per_request["req-0"]
     assert (c0.steps, c0.proposed, c0.accepted, c0.bonus) == (5, 12, 7, 5)
     assert (c0.reached, c0.accepted_at, c0.accepted_hist) == ([4, 3, 2], [3, 2, 2], [2, 1, 0, 2])
     assert c0.tau == pytest.approx((7 + 5) / 5)  # 2.4
@@ -173,7 +173,7 @@ def test_scripted_drafter_counts_by_hand(target, generate) -> None:
     # reached:     s1 [1,0,0] s2 [1,1,0] s3 [1,1,1] -> [3,2,1]
     # accepted_at: s1 [0,0,0] s2 [1,0,0] s3 [1,1,1] -> [2,1,1]
     # hist: k = 0, 1, 3, 0 -> [2, 1, 0, 1]
-    c1 = llm.pipeline.counts["req-1"]
+    c1 = llm.pipeline.stats().per_request["req-1"]
     assert (c1.steps, c1.proposed, c1.accepted, c1.bonus) == (4, 9, 4, 4)
     assert (c1.reached, c1.accepted_at, c1.accepted_hist) == ([3, 2, 1], [2, 1, 1], [2, 1, 0, 1])
     assert c1.tau == pytest.approx((4 + 4) / 4)  # 2.0
@@ -181,7 +181,7 @@ def test_scripted_drafter_counts_by_hand(target, generate) -> None:
     assert c1.per_position == pytest.approx([2 / 3, 1 / 2, 1 / 1])
 
     # The run: both requests merged.
-    run = llm.pipeline.run_counts()
+    run = llm.pipeline.stats().counts
     assert (run.steps, run.proposed, run.accepted, run.bonus) == (9, 21, 11, 9)
     assert (run.reached, run.accepted_at, run.accepted_hist) == ([7, 5, 3], [5, 3, 3], [4, 2, 0, 3])
     assert Fraction(run.accepted + run.bonus, run.steps) == Fraction(20, 9)
@@ -196,7 +196,7 @@ def test_gamma_zero_method_is_plain_decoding(target, generate) -> None:
     ref, _ = generate(target, None, ps, SamplingParams(max_new_tokens=6))
     out, llm = generate(target, NgramConfig(num_speculative_tokens=0), ps, SamplingParams(max_new_tokens=6))
     assert out == ref
-    c = llm.pipeline.run_counts()
+    c = llm.pipeline.stats().counts
     assert (c.steps, c.proposed, c.accepted, c.bonus) == (12, 0, 0, 12)
     assert (c.tau, c.alpha) == (1.0, 0.0)
 
@@ -206,7 +206,7 @@ def test_self_draft_tau_is_gamma_plus_one(target, generate) -> None:
     # steps emit 5, 5, 5 tokens -> τ = 15 / 3 = 5 = γ + 1, α = 1.
     (out,), llm = generate(target, DraftModelConfig(path=str(target.path), num_speculative_tokens=4),
                            [[9, 8, 7]], SamplingParams(max_new_tokens=15))
-    c = llm.pipeline.run_counts()
+    c = llm.pipeline.stats().counts
     assert (c.steps, c.proposed, c.accepted, c.bonus) == (3, 12, 12, 3)
     assert (c.tau, c.alpha, c.per_position) == (5.0, 1.0, [1.0] * 4)
 
@@ -223,9 +223,9 @@ def test_self_draft_accepts_everything_while_batch_mates_finish(target, generate
     out, llm = generate(target, DraftModelConfig(path=str(target.path), num_speculative_tokens=5), ps, sps,
                         max_batch_size=4, max_seq_len=64, block_size=4)
     assert out == ref  # exact regardless
-    c1 = llm.pipeline.counts["req-1"]
+    c1 = llm.pipeline.stats().per_request["req-1"]
     assert (c1.steps, c1.proposed, c1.accepted) == (2, 5, 5)
     for rid in ("req-0", "req-2"):
-        c = llm.pipeline.counts[rid]
+        c = llm.pipeline.stats().per_request[rid]
         # 30 tokens, γ = min(5, left): 6+6+6+6+6 -> 5 steps, 25 proposed, all kept.
         assert (c.steps, c.proposed, c.accepted) == (5, 25, 25), (rid, c.summary())

@@ -147,7 +147,7 @@ def test_first_three_tokens_follow_the_target_distribution(models, proposer, sam
     p = gof_pvalue(counts, probs)
     print(f"chi-square p = {p:.3g}")  # shown with -rP / -s
     if alpha_range is not None:
-        c = llm.pipeline.run_counts()
+        c = llm.pipeline.stats().counts
         print(f"alpha = {c.alpha:.3f}, tau = {c.tau:.3f}")
         lo, hi = alpha_range
         assert lo <= c.alpha <= hi, f"drafter premise: α = {c.alpha:.3f} not in {alpha_range}"
@@ -197,7 +197,7 @@ def test_the_test_rejects_a_residual_drawn_from_p(models, monkeypatch) -> None:
     probs = exact_joint(target.hf, PROMPT, temperature=1.0)
     _residual_is_p(monkeypatch)
     counts, llm = sample_joint(target, _method(models, "unrelated"), seed0=30_000, temperature=1.0)
-    assert llm.pipeline.run_counts().alpha < 0.45  # rejections are common: the bug shows
+    assert llm.pipeline.stats().counts.alpha < 0.45  # rejections are common: the bug shows
     p = gof_pvalue(counts, probs)
     print(f"chi-square p = {p:.3g}")
     assert p < P_FAIL, f"the planted bug went unnoticed: chi-square p = {p:.3g}"

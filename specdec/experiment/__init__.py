@@ -1,0 +1,196 @@
+"""One experiment: every prompt generated with plain target decoding (the
+baseline) and with each selected speculative method, in the same run.
+
+:func:`run_experiment` takes the composed Hydra config (``conf/run.yaml``)
+and returns the run summary. Per batch of ``batch_size`` requests it runs the
+plain pipeline and every method (interleaved, in rotating order, timed by
+:mod:`specdec.measure`), then writes one line per request to
+``results.jsonl`` (append + flush + fsync) and rewrites ``summary.json``, so
+an interrupted run loses at most the batch in flight. Files in the run
+directory:
+
+- ``results.jsonl``: per request: id, prompt length, and for ``plain`` and each
+  method: output length, finish reason, latency, share of the batch's wall
+  time, tokens/s; for methods also γ, steps, proposed / accepted / bonus
+  counts, per-request τ and α, per-position counts, the accepted-length
+  histogram, and whether the output equals plain decoding's;
+- ``summary.json``: per method tokens/s, speedup, τ, α, per-position
+  acceptance, accepted-length histogram, ``outputs_equal``, analytic limit and
+  efficiency; recomputed over every record (also after a resume);
+- ``summary.txt``: the console table; ``plots/*.png``; ``run_config.json``;
+  ``forward_times.json`` (bare forward times of the analytic limit);
+- ``wandb/``: the offline W&B run (``logger=wandb``, ``logger.mode=offline``).
+
+The jobs, one module each: :mod:`.rundir` (the run directory, resuming, the
+results store), :mod:`.runner` (generation), :mod:`.summary` (figures),
+:mod:`.sweep` (the multirun callback); here, the orchestration and logging.
+
+Resuming: ``resume_dir=<run dir>`` (or ``resume=true`` with an explicit
+``run_dir=`` / ``hydra.run.dir=``) continues a run in place: completed request
+ids are read back from ``results.jsonl`` and skipped (a line cut short by the
+interruption is dropped and its request redone), the config must match the
+saved ``run_config.json`` in everything that changes results (``data.limit``,
+logging, progress and plotting may differ), and the summary is recomputed over
+all requests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from specdec.conf_schema import RunConfig, build_components, to_plain_dict, to_run_config
+from specdec.data.prompts import load_prompts
+from specdec.experiment.rundir import (
+    CONFIG_FILE,
+    FORWARD_TIMES_FILE,
+    PLOTS_DIR,
+    RESULTS_FILE,
+    SUMMARY_FILE,
+    TABLE_FILE,
+    ExperimentError,
+    ResultsStore,
+    check_checkpoints,
+    check_resume_config,
+    hydra_job,
+    resolve_run_dir,
+    resume_command,
+    save_command,
+    write_json,
+)
+from specdec.experiment.runner import Request, Runner, request_seed
+from specdec.experiment.summary import TABLE_COLUMNS, request_metrics, summarize, table_rows
+from specdec.experiment.sweep import SweepPlots
+from specdec.logging import WandbConfig, build_logger, summary_table
+
+__all__ = [
+    "ExperimentError",
+    "ResultsStore",
+    "Runner",
+    "SweepPlots",
+    "build_logger",
+    "request_seed",
+    "resume_command",
+    "run_experiment",
+    "summarize",
+]
+
+log = logging.getLogger(__name__)
+
+
+def _batches(items: Sequence[Request], size: int) -> Iterator[list[Request]]:
+    for i in range(0, len(items), size):
+        yield list(items[i : i + size])
+
+
+def run_experiment(cfg: DictConfig | RunConfig, *, run_dir: str | Path | None = None) -> dict[str, Any]:
+    """Runs the experiment ``cfg`` describes; returns the summary (also in ``summary.json``)."""
+    rc = to_run_config(cfg)
+    comps = build_components(rc)
+    check_checkpoints(comps)
+    resuming = rc.resume or rc.resume_dir is not None
+    rdir = resolve_run_dir(rc, run_dir)
+    rdir.mkdir(parents=True, exist_ok=True)
+    cfg_dict = to_plain_dict(rc)
+    if resuming:
+        check_resume_config(rdir, cfg_dict)
+    store = ResultsStore(rdir, resume=resuming)  # refuses a dir with results unless resuming
+    if not resuming or not (rdir / CONFIG_FILE).is_file():
+        write_json(rdir / CONFIG_FILE, cfg_dict)
+    save_command(rdir, has_results=bool(store.records))
+    if rc.runtime.threads:
+        import torch
+
+        torch.set_num_threads(rc.runtime.threads)
+    if resuming and not store.records:
+        log.warning("resume requested but %s holds no results yet: starting from the first request", rdir)
+    prompts = load_prompts(comps.data)
+    pending = [p for p in prompts if p.id not in store.records]
+    log.info("run dir %s: %d prompts, %d done, %d to run; methods: plain + %s", rdir, len(prompts),
+             len(prompts) - len(pending), len(pending), ", ".join(comps.methods) or "(none)")
+
+    overrides, sweep = hydra_job()
+    run_name = rc.name + (f"[{overrides}]" if overrides else "")
+    logger = build_logger(rc.logger)
+    if rc.logger.group is None and sweep and isinstance(logger.config, WandbConfig):
+        logger.config = replace(logger.config, group=f"{rc.name}-{sweep}")
+    logger.start(name=run_name, run_dir=rdir, config=cfg_dict, resume=bool(store.records))
+    gammas = {n: int(m.num_speculative_tokens) for n, m in comps.methods.items()}
+    meta = {
+        "name": rc.name,
+        "run_dir": str(rdir),
+        "target": comps.target,
+        "methods_config": {n: asdict(m) for n, m in comps.methods.items()},
+        "sampling": asdict(comps.sampling),
+        "batch_size": rc.batch_size,
+        "num_prompts": len(prompts),
+    }
+    timings_file = rdir / FORWARD_TIMES_FILE
+    timings: dict[str, Any] = json.loads(timings_file.read_text()) if timings_file.is_file() else {}
+
+    def current_summary() -> dict[str, Any]:
+        recs = list(store.records.values())
+        done = sum(1 for p in prompts if p.id in store.records)
+        return {**meta, "num_requests": len(recs), "complete": done == len(prompts),
+                "updated_at": datetime.now().isoformat(timespec="seconds"),
+                **summarize(recs, gammas=gammas, greedy=comps.sampling.greedy, forward_times=timings or None)}
+
+    try:
+        if pending:
+            from tqdm.auto import tqdm
+
+            runner = Runner(comps, save_outputs=rc.save_outputs)
+            reqs = runner.encode(pending, comps.data.max_prompt_tokens)
+            runner.warmup(reqs, rc.warmup, rc.warmup_tokens)
+            first_batch = max((r.get("batch", -1) for r in store.records.values()), default=-1) + 1
+            with tqdm(total=len(prompts), initial=len(prompts) - len(pending), desc="requests", unit="req",
+                      disable=None if rc.progress else True, dynamic_ncols=True) as bar:  # None: off when not a TTY
+                for b, batch in enumerate(_batches(reqs, rc.batch_size), start=first_batch):
+                    for rec in runner.run_batch(batch, b):
+                        store.append(rec)
+                        logger.log_request(request_metrics(rec), step=len(store.records))
+                        bar.update(1)
+                    write_json(rdir / SUMMARY_FILE, current_summary())
+            if comps.methods and not timings:  # bare forward times for the analytic limit
+                ctx_len = int(sum(len(r.ids) for r in reqs) / len(reqs)) + comps.sampling.max_new_tokens // 2
+                timings.update({n: asdict(t) for n, t in runner.forward_times(ctx_len).items()})
+                write_json(timings_file, timings)
+    except BaseException as e:  # interrupted or failed: what is saved stays valid; say how to go on
+        write_json(rdir / SUMMARY_FILE, current_summary())
+        what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"failed ({type(e).__name__})"
+        log.warning("%s: %d of %d requests saved in %s; continue with: %s",
+                    what, len(store.records), len(prompts), rdir, resume_command(rdir))
+        logger.finish()
+        raise
+
+    summary = current_summary()
+    write_json(rdir / SUMMARY_FILE, summary)
+    table = summary_table(summary)
+    (rdir / TABLE_FILE).write_text(table + "\n", encoding="utf-8")
+    print(f"\n{table}\n\nresults: {rdir}", flush=True)
+    if summary["outputs_equal"] is False:
+        bad = [n for n, m in summary["methods"].items() if m["outputs_equal"] is False]
+        log.error("greedy outputs differ from plain decoding for %s (see equal_to_plain in %s)",
+                  ", ".join(bad), rdir / RESULTS_FILE)
+
+    images = {}
+    if rc.plots:
+        from specdec.plots import plot_run
+
+        images = plot_run(summary, rdir / PLOTS_DIR)
+    recs = list(store.records.values())
+    logger.log_summary({k: v for k, v in summary.items() if k not in ("methods_config",)})
+    logger.log_table("requests", TABLE_COLUMNS, table_rows(recs))
+    for name, m in summary["methods"].items():
+        if m.get("accepted_hist"):
+            logger.log_histogram(f"{name}/accepted_hist", m["accepted_hist"])
+    logger.log_images({f"plots/{k}": v for k, v in images.items()})
+    logger.finish()
+    return summary

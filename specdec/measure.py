@@ -1,0 +1,347 @@
+"""The one measuring core: the experiment runner and every benchmark time with it.
+
+The figures (defined in :mod:`specdec.spec.metrics` and the README; here
+only how they are measured):
+
+- **speedup** of a run over the baseline = the baseline's seconds ÷ the run's
+  seconds for the same work (so the ratio of their tokens/s), taken pass by
+  pass, both timed in the same pass, and the median over passes
+  (:meth:`Timing.speedup`). Timed side by side, a slow spell of a busy
+  machine falls on both sides of a ratio;
+- **analytic limit** = τ · T_target(1) / (T_target(γ+1) + γ · T_draft(1))
+  (:func:`specdec.spec.metrics.analytic_limit`), from bare forward times of
+  the method's own models, timed interleaved (:func:`limit_forward_times`);
+  T_draft = 0 for a method with no draft model;
+- **efficiency** = speedup ÷ analytic limit (:func:`efficiency`).
+
+And the small things every benchmark needs: :func:`load_config` (``key=value``
+overrides through Hydra), :func:`print_table`, :func:`emit_json` (the closing
+JSON line, with the :func:`machine` it ran on), the shipped model pair
+(:func:`builtin_pair`, :func:`builtin_prompts`), :func:`checkpoint` options and
+:func:`random_checkpoint`, and transformers' model of a checkpoint (:func:`hf_model`).
+``transformers`` is imported only inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import platform
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import torch
+
+from specdec.conf_schema import ZOO_DIR
+from specdec.core.pipeline_model import DecoderPipelineModel
+from specdec.spec.forward_time import forward_time
+from specdec.spec.metrics import analytic_limit
+
+if TYPE_CHECKING:
+    from specdec.api import LLM
+
+T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
+C = TypeVar("C")
+
+
+# --------------------------------------------------------------------------------------
+# interleaved timing
+# --------------------------------------------------------------------------------------
+def timed(fn: Callable[[], T]) -> tuple[float, T]:
+    """Seconds ``fn()`` takes, and its result.
+
+    First it collects the garbage there is and moves every object alive now
+    (models, compiled graphs, the libraries' own) out of the garbage
+    collector's view (``gc.freeze``, as serving engines do after start-up).
+    Otherwise a full collection over a benchmark process's ~600k objects
+    (200-350 ms each, several per run) lands inside whichever pass it happens
+    to, ours or transformers', at random.
+    """
+    gc.collect()
+    gc.freeze()
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+@dataclass(frozen=True)
+class Run(Generic[T]):
+    """One contestant of :func:`interleave`."""
+
+    fn: Callable[[], T]  # one timed pass
+    warmup: Callable[[], object] | None = None  # untimed, before any timing; None: a pass of fn
+    before: Callable[[], object] | None = None  # untimed, before each timed pass (e.g. reset_stats)
+    passes: int | None = None  # timed passes, the first ones (None: every repeat)
+
+
+@dataclass
+class Timing(Generic[T]):
+    """What :func:`interleave` measured, per run name."""
+
+    baseline: str
+    times: dict[str, list[float]]  # [passes] seconds of each timed pass
+    outputs: dict[str, list[T]]  # [passes] what each timed pass returned
+    ratios: dict[str, list[float]]  # [passes] the baseline's seconds ÷ this run's, same pass
+
+    def median(self, name: str) -> float:
+        """Median seconds of a pass."""
+        return statistics.median(self.times[name])
+
+    def speedup(self, name: str) -> float:
+        """Median over passes of the baseline's time ÷ this run's (side by side)."""
+        return statistics.median(self.ratios[name])
+
+    def last(self, name: str) -> T:
+        """The last timed pass's result."""
+        return self.outputs[name][-1]
+
+
+def warm_up(runs: Mapping[str, Run[Any]], rounds: int = 1) -> None:
+    """Untimed: each run's ``warmup`` (or one pass), ``rounds`` times."""
+    for _ in range(rounds):
+        for run in runs.values():
+            (run.warmup or run.fn)()
+
+
+def interleave(
+    runs: Mapping[str, Run[T] | Callable[[], T]],
+    *,
+    baseline: str,
+    repeats: int,
+    warmup: int = 1,
+    offset: int = 0,
+) -> Timing[T]:
+    """Times every run ``repeats`` times, interleaved, after ``warmup`` untimed rounds.
+
+    Pass ``p`` times each run once, starting from run ``(offset + p) mod n``
+    of ``runs`` (rotated: no run always goes first). ``baseline`` runs in
+    every pass; each run's ratio in a pass is the baseline's time in that
+    pass ÷ its own.
+    """
+    rs: dict[str, Run[T]] = {k: v if isinstance(v, Run) else Run(v) for k, v in runs.items()}
+    if baseline not in rs or rs[baseline].passes is not None:
+        raise ValueError(f"the baseline {baseline!r} must be one of the runs and time every pass")
+    warm_up(rs, warmup)
+    names = list(rs)
+    timing: Timing[T] = Timing(baseline, {k: [] for k in rs}, {k: [] for k in rs}, {k: [] for k in rs})
+    for p in range(repeats):
+        first = (offset + p) % len(names)
+        this_pass: dict[str, float] = {}
+        for name in names[first:] + names[:first]:
+            run = rs[name]
+            if run.passes is not None and p >= run.passes:
+                continue
+            if run.before is not None:
+                run.before()
+            t, out = timed(run.fn)
+            this_pass[name] = t
+            timing.times[name].append(t)
+            timing.outputs[name].append(out)
+        for name, t in this_pass.items():
+            timing.ratios[name].append(this_pass[baseline] / t)
+    return timing
+
+
+# --------------------------------------------------------------------------------------
+# greedy equality
+# --------------------------------------------------------------------------------------
+def first_mismatch(out: Sequence[int], ref: Sequence[int]) -> int | None:
+    """Index of the first token where ``out`` differs from ``ref``; None when equal.
+
+    A prefix of the other mismatches where the shorter one ends.
+    """
+    i = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), None)
+    if i is None and len(out) != len(ref):
+        return min(len(out), len(ref))
+    return i
+
+
+def outputs_equal(outs: Sequence[Sequence[int]], refs: Sequence[Sequence[int]]) -> bool:
+    """Every output equal to its reference (greedy speculation must reproduce plain decoding)."""
+    return len(outs) == len(refs) and all(first_mismatch(o, r) is None for o, r in zip(outs, refs))
+
+
+# --------------------------------------------------------------------------------------
+# bare forward times, the analytic limit, efficiency
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ForwardTimes:
+    """Bare forward times of one speculative method (seconds, medians)."""
+
+    t_target_1: float  # a decode step of the target
+    t_target_g1: float  # a verification step: γ+1 tokens
+    t_draft_1: float = 0.0  # a decode step of the draft model (0: none)
+
+    def limit(self, tau: float, gamma: int) -> float:
+        """The analytic limit at this τ and γ."""
+        return analytic_limit(tau=tau, gamma=gamma, **dataclasses.asdict(self))
+
+
+def efficiency(speedup: float | None, limit: float | None) -> float | None:
+    """speedup ÷ analytic limit (None when either is missing or the limit is 0)."""
+    return speedup / limit if speedup is not None and limit else None
+
+
+def bare_forward_times(
+    runs: Mapping[K, tuple[DecoderPipelineModel, int]], ctx_len: int, *, rounds: int = 5, repeats: int = 10
+) -> dict[K, float]:
+    """Median bare forward times of several ``key -> (model, n tokens)`` runs, interleaved.
+
+    Each of ``rounds`` rounds times every run once (``repeats`` calls each,
+    :func:`specdec.spec.forward_time.forward_time` at context ``ctx_len``),
+    and the result is the median over rounds: a slow spell then falls on
+    every run alike, so ratios of these times (the analytic limit is one)
+    hold better than when each is timed in one block.
+    """
+    per: dict[K, list[float]] = {k: [] for k in runs}
+    for _ in range(rounds):
+        for k, (pm, n) in runs.items():
+            per[k].append(forward_time(pm, n, ctx_len, repeats=repeats))
+    return {k: statistics.median(v) for k, v in per.items()}
+
+
+def limit_forward_times(
+    methods: Mapping[str, LLM], ctx_len: int, *, rounds: int = 5, repeats: int = 10
+) -> dict[str, ForwardTimes]:
+    """Per speculative method (its ``LLM``): T_target(1) and T_target(γ+1) of its
+    target, T_draft(1) of its draft model (0 without one), all interleaved.
+
+    γ is the method's ``num_speculative_tokens`` (adaptive γ: the most it drafts).
+    """
+    runs: dict[tuple[str, str], tuple[DecoderPipelineModel, int]] = {}
+    for name, llm in methods.items():
+        pipe = llm.pipeline
+        runs[name, "t1"] = (pipe.target, 1)
+        runs[name, "tg"] = (pipe.target, int(llm.method.num_speculative_tokens) + 1)
+        if pipe.draft_model is not None:
+            runs[name, "td"] = (pipe.draft_model, 1)
+    t = bare_forward_times(runs, ctx_len, rounds=rounds, repeats=repeats)
+    return {n: ForwardTimes(t[n, "t1"], t[n, "tg"], t.get((n, "td"), 0.0)) for n in methods}
+
+
+# --------------------------------------------------------------------------------------
+# benchmark scaffolding
+# --------------------------------------------------------------------------------------
+def load_config(cls: type[C], argv: Sequence[str]) -> C:
+    """``key=value`` overrides (Hydra syntax: ``quick=true``, ``gammas=[1,2]``) into dataclass ``cls``.
+
+    Composed by Hydra from ``cls`` in its ConfigStore, as the experiment's
+    config is: types are checked, and an unknown key or a bad value exits
+    naming it.
+    """
+    from hydra import compose, initialize
+    from hydra.core.config_store import ConfigStore
+    from hydra.errors import ConfigCompositionException
+    from omegaconf import OmegaConf
+
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    keys = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    ConfigStore.instance().store(name=name, node=cls)
+    try:
+        with initialize(version_base=None):
+            cfg = compose(config_name=name, overrides=list(argv))
+    except ConfigCompositionException as e:
+        what, why = str(e).splitlines()[0], str(e.__cause__ or "").splitlines()[:1]
+        raise SystemExit(" ".join([what, *why]) + f"\nkeys: {', '.join(keys)}") from None
+    added = [k for k in cfg if k not in keys]  # `+key=value` appends past the schema
+    if added:
+        raise SystemExit(f"unknown key(s) {', '.join(map(repr, added))}\nkeys: {', '.join(keys)}")
+    obj = OmegaConf.to_object(cfg)
+    assert isinstance(obj, cls)
+    return obj
+
+
+def machine() -> dict[str, Any]:
+    """What a figure was measured on: CPU model, cores, torch threads, torch build, BLAS, GPU."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        cpu = next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    blas = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "blas": blas.group(1) if blas else ("mkl" if torch.backends.mkl.is_available() else "unknown"),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def print_table(rows: Sequence[Mapping[str, Any]], title: str = "") -> None:
+    """Rows (dicts with the same keys) as an aligned table; floats with 3 decimals."""
+    from specdec.logging import format_table
+
+    if title:
+        print(f"\n{title}")
+    if rows:
+        cols = [(c, c, ".3f" if any(isinstance(r.get(c), float) for r in rows) else "") for c in rows[0]]
+        print(format_table(rows, cols), flush=True)
+
+
+def emit_json(figures: Mapping[str, Any]) -> None:
+    """The last line of every benchmark: its headline figures and the :func:`machine`."""
+    print(json.dumps({**figures, "machine": machine()}, sort_keys=True), flush=True)
+
+
+def builtin_pair() -> tuple[Path, Path] | None:
+    """The shipped (target, draft) checkpoints, or None when they are absent."""
+    t, d = ZOO_DIR / "code-target", ZOO_DIR / "code-draft"
+    return (t, d) if (t / "model.safetensors").is_file() and (d / "model.safetensors").is_file() else None
+
+
+def builtin_prompts(tokenizer_dir: Path, n: int) -> list[list[int]] | None:
+    """The first ``n`` shipped held-out prompts as token ids, or None when absent."""
+    from specdec.core.checkpoint import load_tokenizer
+
+    f = ZOO_DIR / "prompts.jsonl"
+    if not f.is_file():
+        return None
+    tok = load_tokenizer(tokenizer_dir)
+    rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    return [tok.encode(r["prompt"]).ids for r in rows[:n]]
+
+
+def checkpoint(option: str, builtin: Path | None, **random: Any) -> Path:
+    """A benchmark's checkpoint option: ``"builtin"`` (``builtin`` when shipped, else
+    random), ``"random"`` (:func:`random_checkpoint` with ``random``) or a directory."""
+    if option not in ("builtin", "random"):
+        return Path(option)
+    return builtin if option == "builtin" and builtin is not None else random_checkpoint(**random)
+
+
+def random_checkpoint(*, layers: int, hidden: int = 256, vocab: int = 4096, seed: int = 0,
+                      heads: int = 8, kv_heads: int = 4, out: Path | None = None) -> Path:
+    """Saves a random Llama checkpoint in HF format (with transformers) and returns its dir."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
+        tie_word_embeddings=True, initializer_range=0.3,
+    )
+    out = out or Path(tempfile.mkdtemp(prefix="specdec-bench-"))
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+def hf_model(path: Path, device: str = "cpu") -> Any:
+    """transformers' own model of checkpoint ``path`` (float32, eval), the peer we compare with."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(device)
