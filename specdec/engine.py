@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from specdec.core.context import RequestError, SamplingParams, Status, TextContext
+from specdec.core.context import RequestError, RequestFailure, SamplingParams, Status, TextContext
 from specdec.core.kv_cache import OutOfBlocks
 from specdec.core.pipeline_model import GenerationPipeline
 
@@ -230,6 +230,11 @@ class Engine:
         self.stats.step_batch_sizes.append(len(batch))
         done = []
         for ctx, toks in zip(batch, new_tokens):
+            if isinstance(toks, RequestFailure):  # this request only: the others go on
+                ctx.reject(toks.reason)
+                ctx.t_finished = now
+                done.append(ctx)
+                continue
             if not toks:
                 continue
             kept = ctx.append(toks)

@@ -15,6 +15,15 @@ class RequestError(ValueError):
 
 
 @dataclass(frozen=True)
+class RequestFailure:
+    """What a pipeline's step gives back, instead of new tokens, for a request it
+    could not step (its logits went non-finite …): the engine ends that request
+    with ``reason`` as its error, and every other request goes on untouched."""
+
+    reason: str  # names the request and what failed
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its tokens. ``temperature == 0`` is greedy."""
 

@@ -29,7 +29,7 @@ from specdec.core.batch_processor import (
     split_replicas,
 )
 from specdec.core.checkpoint import LoadedDecoder, load_decoder
-from specdec.core.context import TextContext
+from specdec.core.context import RequestFailure, TextContext
 from specdec.core.inputs import DecoderOutputs, ModelOutputs
 from specdec.core.kv_cache import BlockTable, KVCacheParams, PagedKVCache
 from specdec.core.registry import BuildContext, Role
@@ -259,8 +259,9 @@ class GenerationPipeline(Protocol):
     def reserve(self, ctx: TextContext, num_new: int) -> None:
         """Makes KV room for feeding ``num_new`` more tokens (raises OutOfBlocks)."""
 
-    def step(self, batch: list[TextContext], num_new: list[int]) -> list[list[int]]:
-        """Feeds ``num_new[i]`` tokens of each request; returns each one's new tokens."""
+    def step(self, batch: list[TextContext], num_new: list[int]) -> list[list[int] | RequestFailure]:
+        """Feeds ``num_new[i]`` tokens of each request; returns each one's new tokens
+        (or a :class:`RequestFailure` for a request it could not step)."""
 
     def free(self, ctx: TextContext) -> None:
         """Releases everything the request holds (KV blocks, state slots)."""
