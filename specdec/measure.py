@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 
 from specdec.conf_schema import ZOO_DIR
+from specdec.core.kv_cache import OutOfBlocks
 from specdec.core.pipeline_model import DecoderPipelineModel
 from specdec.spec.forward_time import forward_time
 from specdec.spec.metrics import analytic_limit
@@ -200,12 +201,18 @@ def bare_forward_times(
     :func:`specdec.spec.forward_time.forward_time` at context ``ctx_len``),
     and the result is the median over rounds: a slow spell then falls on
     every run alike, so ratios of these times (the analytic limit is one)
-    hold better than when each is timed in one block.
+    hold better than when each is timed in one block. Raises
+    :class:`~specdec.core.kv_cache.OutOfBlocks`, saying so, when a model's
+    cache cannot hold one request at ``ctx_len``.
     """
     per: dict[K, list[float]] = {k: [] for k in runs}
     for _ in range(rounds):
         for k, (pm, n) in runs.items():
-            per[k].append(forward_time(pm, n, ctx_len, repeats=repeats))
+            try:
+                per[k].append(forward_time(pm, n, ctx_len, repeats=repeats))
+            except OutOfBlocks as e:
+                raise OutOfBlocks(f"a bare forward at context {ctx_len} does not fit in the KV cache ({e}); "
+                                  "raise runtime.num_blocks") from None
     return {k: statistics.median(v) for k, v in per.items()}
 
 

@@ -12,12 +12,20 @@ where it is found) and calls :func:`specdec.experiment.run_experiment`::
     specdec experiment=gamma_sweep                     # the same sweep, as a preset
     specdec resume_dir=outputs/default/<stamp>_<uid>   # continue an interrupted run
     specdec logger=none | logger.mode=online
+
+How a run ends on stderr, without a traceback: a run that cannot start or
+save (a bad key, file or disk) prints ``specdec: error: ...`` and exits 2;
+Ctrl-C and SIGTERM print ``specdec: interrupted`` and exit 130 / 143. When
+results were saved, the next line is the command that continues the run.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -29,23 +37,54 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
+def _fail(what: str, e: BaseException, code: int) -> SystemExit:
+    """Prints ``specdec: <what>: <e>`` and the exception's notes (the resume hint) to stderr."""
+    lines = [f"specdec: {what}" + (f": {e}" if str(e) else ""), *getattr(e, "__notes__", ())]
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    return SystemExit(code)
+
+
 @hydra.main(config_path=str(config_dir()), config_name="run", version_base="1.3")
 def _main(cfg: DictConfig) -> dict[str, Any]:
     from specdec.conf_schema import ConfigError
     from specdec.core.checkpoint import CheckpointError
     from specdec.data import PromptDataError
-    from specdec.experiment import ExperimentError, run_experiment
+    from specdec.experiment import ExperimentError, Terminated, run_experiment
 
     try:
         return run_experiment(cfg)
     except (ConfigError, ExperimentError, PromptDataError, CheckpointError) as e:
-        # A run that cannot start: the message names the key or file; no traceback.
-        print(f"specdec: error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        # The message names the key or file: no traceback.
+        raise _fail("error", e, 2) from None
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated): the results are saved
+        raise _fail("interrupted", e, 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)) from None
+
+
+def _check_resume_dir(args: Sequence[str]) -> None:
+    """A bad ``resume_dir=`` is refused before Hydra makes it its run dir (creating it, or
+    writing ``.hydra/`` into, say, a checkpoint dir)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    for arg in args:
+        try:
+            (o,) = parser.parse_overrides([arg])
+        except HydraException:  # a flag (-m, --config-name …) or its value: Hydra's to judge
+            continue
+        value = o.value()
+        if o.key_or_group == "resume_dir" and isinstance(value, str):
+            from specdec.experiment import ExperimentError, check_resume_dir
+
+            try:
+                check_resume_dir(Path(value))
+            except ExperimentError as e:
+                raise _fail("error", e, 2) from None
 
 
 def main() -> None:
     """The ``specdec`` console script (arguments: Hydra overrides)."""
+    _check_resume_dir(sys.argv[1:])
     _main()
 
 

@@ -30,40 +30,58 @@ Resuming: ``resume_dir=<run dir>`` (or ``resume=true`` with an explicit
 ids are read back from ``results.jsonl`` and skipped (a line cut short by the
 interruption is dropped and its request redone), the config must match the
 saved ``run_config.json`` in everything that changes results (``data.limit``,
-logging, progress and plotting may differ), and the summary is recomputed over
-all requests.
+logging, progress and plotting may differ), requests that failed are run
+again, and the summary is recomputed over all requests.
+
+Faults: a request that fails (rejected at admission, or failed by a pipeline
+mid-run) is recorded with its ``error`` and the others go on; the summary then
+counts it in ``errors`` and never reports the run ``complete`` or its outputs
+equal. Ctrl-C, SIGTERM, a full or read-only disk and any other exception end
+the run with what is saved left valid, and the exception carries (as a note)
+the command that continues the run.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import signal
+import threading
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from datetime import datetime
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from omegaconf import DictConfig
 
 from specdec.conf_schema import RunConfig, build_components, to_plain_dict, to_run_config
+from specdec.core.kv_cache import OutOfBlocks
 from specdec.data.prompts import load_prompts
 from specdec.experiment.rundir import (
     CONFIG_FILE,
     FORWARD_TIMES_FILE,
+    PLAIN,
     PLOTS_DIR,
     RESULTS_FILE,
     SUMMARY_FILE,
     TABLE_FILE,
     ExperimentError,
     ResultsStore,
+    RunDirError,
     check_checkpoints,
     check_resume_config,
+    check_resume_dir,
+    failed,
     hydra_job,
+    make_run_dir,
     resolve_run_dir,
     resume_command,
     save_command,
     write_json,
+    write_text,
 )
 from specdec.experiment.runner import Request, Runner, request_seed
 from specdec.experiment.summary import TABLE_COLUMNS, request_metrics, summarize, table_rows
@@ -73,9 +91,12 @@ from specdec.logging import WandbConfig, build_logger, summary_table
 __all__ = [
     "ExperimentError",
     "ResultsStore",
+    "RunDirError",
     "Runner",
     "SweepPlots",
+    "Terminated",
     "build_logger",
+    "check_resume_dir",
     "request_seed",
     "resume_command",
     "run_experiment",
@@ -85,19 +106,52 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM during a run (a job scheduler stopping it): ends the run as Ctrl-C does."""
+
+
+@contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """While the run goes, SIGTERM raises :class:`Terminated` (Python's default would exit at
+    once, without saving the summary or saying how to resume). Handlers live in the main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise Terminated(f"signal {signal.Signals(signum).name}")
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def _batches(items: Sequence[Request], size: int) -> Iterator[list[Request]]:
     for i in range(0, len(items), size):
         yield list(items[i : i + size])
 
 
+def _first_error(recs: Sequence[dict[str, Any]]) -> str:
+    """``<request id> in <pipeline>: <error>`` of the first failed request."""
+    return next(f"{r['id']} in {name}: {e['error']}" for r in recs
+                for name, e in [(PLAIN, r[PLAIN]), *r["methods"].items()] if e.get("error"))
+
+
 def run_experiment(cfg: DictConfig | RunConfig, *, run_dir: str | Path | None = None) -> dict[str, Any]:
     """Runs the experiment ``cfg`` describes; returns the summary (also in ``summary.json``)."""
+    with _sigterm_interrupts():
+        return _run(cfg, run_dir)
+
+
+def _run(cfg: DictConfig | RunConfig, run_dir: str | Path | None) -> dict[str, Any]:
     rc = to_run_config(cfg)
     comps = build_components(rc)
     check_checkpoints(comps)
     resuming = rc.resume or rc.resume_dir is not None
     rdir = resolve_run_dir(rc, run_dir)
-    rdir.mkdir(parents=True, exist_ok=True)
+    make_run_dir(rdir)
     cfg_dict = to_plain_dict(rc)
     if resuming:
         check_resume_config(rdir, cfg_dict)
@@ -111,6 +165,9 @@ def run_experiment(cfg: DictConfig | RunConfig, *, run_dir: str | Path | None = 
         torch.set_num_threads(rc.runtime.threads)
     if resuming and not store.records:
         log.warning("resume requested but %s holds no results yet: starting from the first request", rdir)
+    retried = store.discard_failed()
+    if retried:
+        log.warning("running again %d request(s) that failed before: %s", len(retried), ", ".join(retried))
     prompts = load_prompts(comps.data)
     pending = [p for p in prompts if p.id not in store.records]
     log.info("run dir %s: %d prompts, %d done, %d to run; methods: plain + %s", rdir, len(prompts),
@@ -137,7 +194,7 @@ def run_experiment(cfg: DictConfig | RunConfig, *, run_dir: str | Path | None = 
 
     def current_summary() -> dict[str, Any]:
         recs = list(store.records.values())
-        done = sum(1 for p in prompts if p.id in store.records)
+        done = sum(1 for p in prompts if p.id in store.records and not failed(store.records[p.id]))
         return {**meta, "num_requests": len(recs), "complete": done == len(prompts),
                 "updated_at": datetime.now().isoformat(timespec="seconds"),
                 **summarize(recs, gammas=gammas, greedy=comps.sampling.greedy, forward_times=timings or None)}
@@ -160,21 +217,34 @@ def run_experiment(cfg: DictConfig | RunConfig, *, run_dir: str | Path | None = 
                     write_json(rdir / SUMMARY_FILE, current_summary())
             if comps.methods and not timings:  # bare forward times for the analytic limit
                 ctx_len = int(sum(len(r.ids) for r in reqs) / len(reqs)) + comps.sampling.max_new_tokens // 2
-                timings.update({n: asdict(t) for n, t in runner.forward_times(ctx_len).items()})
-                write_json(timings_file, timings)
+                try:
+                    timings.update({n: asdict(t) for n, t in runner.forward_times(ctx_len).items()})
+                except OutOfBlocks as e:  # the results stand without their limit
+                    log.warning("no analytic limit: %s", e)
+                else:
+                    write_json(timings_file, timings)
+        summary = current_summary()
+        write_json(rdir / SUMMARY_FILE, summary)
+        table = summary_table(summary)
+        write_text(rdir / TABLE_FILE, table + "\n")
     except BaseException as e:  # interrupted or failed: what is saved stays valid; say how to go on
-        write_json(rdir / SUMMARY_FILE, current_summary())
-        what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"failed ({type(e).__name__})"
-        log.warning("%s: %d of %d requests saved in %s; continue with: %s",
-                    what, len(store.records), len(prompts), rdir, resume_command(rdir))
+        try:
+            write_json(rdir / SUMMARY_FILE, current_summary())
+        except RunDirError as w:  # e.g. the disk is still full: a resume recomputes the summary
+            log.warning("%s", w)
+        stop = str(e) or "Ctrl-C"
+        what = f"interrupted ({stop})" if isinstance(e, KeyboardInterrupt) else f"failed ({type(e).__name__})"
+        hint = f"{len(store.records)} of {len(prompts)} requests saved in {rdir}; continue with: {resume_command(rdir)}"
+        log.warning("%s: %s", what, hint)
+        e.add_note(hint)
         logger.finish()
         raise
 
-    summary = current_summary()
-    write_json(rdir / SUMMARY_FILE, summary)
-    table = summary_table(summary)
-    (rdir / TABLE_FILE).write_text(table + "\n", encoding="utf-8")
     print(f"\n{table}\n\nresults: {rdir}", flush=True)
+    recs = list(store.records.values())
+    if summary["errors"]:
+        log.error("%d of %d requests failed (first: %s); each one's error is in %s",
+                  summary["errors"], len(recs), _first_error(recs), rdir / RESULTS_FILE)
     if summary["outputs_equal"] is False:
         bad = [n for n, m in summary["methods"].items() if m["outputs_equal"] is False]
         log.error("greedy outputs differ from plain decoding for %s (see equal_to_plain in %s)",
@@ -185,7 +255,6 @@ def run_experiment(cfg: DictConfig | RunConfig, *, run_dir: str | Path | None = 
         from specdec.plots import plot_run
 
         images = plot_run(summary, rdir / PLOTS_DIR)
-    recs = list(store.records.values())
     logger.log_summary({k: v for k, v in summary.items() if k not in ("methods_config",)})
     logger.log_table("requests", TABLE_COLUMNS, table_rows(recs))
     for name, m in summary["methods"].items():

@@ -1,13 +1,19 @@
 """The run directory: where it is, what it holds, and whether a run may resume in it.
 
-Files (names below): ``results.jsonl`` (one line per completed request,
+Files (names below): ``results.jsonl`` (one line per finished request,
 :class:`ResultsStore`), ``summary.json`` / ``summary.txt``, ``run_config.json``
 (checked on resume), ``command.txt`` (the overrides, for :func:`resume_command`),
 ``forward_times.json`` (the bare forward times of the analytic limit), ``plots/``.
+
+Every write names its file when it fails (:class:`RunDirError`: a full or
+read-only disk), and a rewritten file goes through a temporary one that is
+removed when the write fails, so the run dir never holds a half-written file
+but the last line of ``results.jsonl`` (which a resume drops and redoes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -37,11 +43,23 @@ RESUME_FREE_KEYS = ("name", "logger", "run_dir", "resume", "resume_dir", "progre
 
 
 class ExperimentError(ValueError):
-    """A run that cannot start or resume (names the key or file at fault)."""
+    """A run that cannot start, resume or save its results (names the key or file at fault)."""
+
+
+class RunDirError(ExperimentError):
+    """A file of the run dir could not be written (disk full, read-only, gone)."""
+
+    def __init__(self, path: Path, err: OSError) -> None:
+        super().__init__(f"cannot write {path}: {err.strerror or err}")
+
+
+def failed(rec: Mapping[str, Any]) -> bool:
+    """Whether plain decoding or any method ended this request with an error."""
+    return bool(rec[PLAIN].get("error")) or any(e.get("error") for e in rec["methods"].values())
 
 
 class ResultsStore:
-    """``results.jsonl``: one line per completed request, keyed by request id."""
+    """``results.jsonl``: one line per finished request (done or failed), keyed by request id."""
 
     def __init__(self, run_dir: Path, *, resume: bool) -> None:
         self.path = Path(run_dir) / RESULTS_FILE
@@ -76,24 +94,58 @@ class ResultsStore:
             if dropped:
                 log.warning("%s: dropped %d incomplete or duplicate line(s); those requests are redone",
                             self.path, dropped)
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
-            os.replace(tmp, self.path)
+            write_text(self.path, "".join(line + "\n" for line in keep))
+
+    def discard_failed(self) -> list[str]:
+        """Drops the records of failed requests, so that resuming runs them again; returns their ids."""
+        ids = [rid for rid, rec in self.records.items() if failed(rec)]
+        if ids:
+            for rid in ids:
+                del self.records[rid]
+            write_text(self.path, "".join(json.dumps(rec) + "\n" for rec in self.records.values()))
+        return ids
 
     def append(self, rec: dict[str, Any]) -> None:
         """Appends one request's record (flushed and fsynced: an interruption loses at most the batch in flight)."""
-        with self.path.open("a", encoding="utf-8") as fh:
-            fh.write(json.dumps(rec) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        try:
+            with self.path.open("a", encoding="utf-8") as fh:
+                fh.write(json.dumps(rec) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as e:
+            raise RunDirError(self.path, e) from None
         self.records[str(rec["id"])] = rec
 
 
+def write_text(path: Path, text: str) -> None:
+    """Writes ``text`` atomically: a temporary file, synced, then a rename; a failed write
+    removes the temporary file and leaves ``path`` as it was."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with tmp.open("w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:  # a disk error, or Ctrl-C / SIGTERM landing mid-write
+        with contextlib.suppress(OSError):  # a read-only dir: no temporary file was made
+            tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise RunDirError(path, e) from None
+        raise
+
+
 def write_json(path: Path, data: Any) -> None:
-    """Writes ``data`` atomically (a temporary file, then a rename)."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    """Writes ``data`` atomically (:func:`write_text`)."""
+    write_text(path, json.dumps(data, indent=2) + "\n")
+
+
+def make_run_dir(path: Path) -> None:
+    """Creates the run dir (and its parents) if missing."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunDirError(path, e) from None
 
 
 def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -131,7 +183,7 @@ def save_command(run_dir: Path, has_results: bool) -> None:
     """Writes ``command.txt`` (this job's Hydra overrides) unless a run with results already wrote it."""
     f = run_dir / COMMAND_FILE
     if not f.is_file() or not has_results:
-        f.write_text(shlex.join(_task_overrides() or []) + "\n", encoding="utf-8")
+        write_text(f, shlex.join(_task_overrides() or []) + "\n")
 
 
 def _task_overrides() -> list[str] | None:
@@ -151,15 +203,26 @@ def resume_command(run_dir: Path) -> str:
     return shlex.join(["specdec", *args, f"resume_dir={run_dir}"])
 
 
+def check_resume_dir(resume_dir: str | Path) -> Path:
+    """``resume_dir`` must be a run dir this package made (it holds ``run_config.json``): a
+    missing dir is not made and a checkpoint dir is not written into."""
+    p = Path(resume_dir)
+    if not p.is_dir():
+        why = "is not a directory" if p.exists() else "does not exist"
+        raise ExperimentError(f"resume_dir {str(p)!r} {why}: give the run dir of the run to continue")
+    if not (p / CONFIG_FILE).is_file():
+        raise ExperimentError(
+            f"resume_dir {str(p)!r} is not a specdec run dir: it has no {CONFIG_FILE} (nothing was written there)"
+        )
+    return p
+
+
 def resolve_run_dir(rc: RunConfig, run_dir: str | Path | None = None) -> Path:
     """Explicit argument > ``resume_dir`` > ``run_dir`` > Hydra's run dir > ``outputs/<name>/<stamp>_<uid>``."""
     if run_dir is not None:
         return Path(run_dir)
     if rc.resume_dir:
-        p = Path(rc.resume_dir)
-        if not p.is_dir():
-            raise ExperimentError(f"resume_dir {str(p)!r} does not exist")
-        return p
+        return check_resume_dir(rc.resume_dir)
     if rc.run_dir:
         return Path(rc.run_dir)
     try:

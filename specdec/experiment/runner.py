@@ -153,8 +153,9 @@ class Runner:
                 plain["text"] = self.plain.decode(plain_ids)
             for name in self.comps.methods:
                 e, out = entries[name][rid], ids[name][rid]
-                mismatch = first_mismatch(out, plain_ids)
-                e["equal_to_plain"] = mismatch is None
+                compared = not (e["error"] or plain["error"])  # a failed side has no output to compare
+                mismatch = first_mismatch(out, plain_ids) if compared else None
+                e["equal_to_plain"] = mismatch is None if compared else None
                 e["first_mismatch"] = mismatch
                 if self.save_outputs:
                     e["output_ids"] = out

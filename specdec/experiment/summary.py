@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from specdec.experiment.rundir import PLAIN
+from specdec.experiment.rundir import PLAIN, failed
 from specdec.measure import ForwardTimes, efficiency
 from specdec.spec.metrics import SpecCounts
 
@@ -50,8 +50,10 @@ def summarize(
     limit and efficiency = speedup / limit.
     """
     ok = [r for r in records if not r[PLAIN].get("error")]
-    out: dict[str, Any] = {"plain": _throughput([r[PLAIN] for r in ok]), "methods": {}}
+    out: dict[str, Any] = {"plain": {**_throughput([r[PLAIN] for r in ok]), "errors": len(records) - len(ok)},
+                           "methods": {}}
     for name, gamma in gammas.items():
+        mine = [r["methods"][name] for r in records if name in r["methods"]]
         both = [r for r in ok if name in r["methods"] and not r["methods"][name].get("error")]
         ents = [r["methods"][name] for r in both]
         thr = _throughput(ents)
@@ -65,19 +67,20 @@ def summarize(
             "plain_tokens_per_s": base["tokens_per_s"],
             "speedup": thr["tokens_per_s"] / base["tokens_per_s"]
             if thr["tokens_per_s"] and base["tokens_per_s"] else None,
-            "tau": counts.tau,
-            "alpha": counts.alpha,
+            "tau": counts.tau if counts.steps else None,  # nothing measured (every request failed)
+            "alpha": counts.alpha if counts.steps else None,
             "per_position_acceptance": counts.per_position,
             "accepted_hist": list(counts.accepted_hist) if has_hist else None,
             "steps": counts.steps,
             "proposed": counts.proposed,
             "accepted": counts.accepted,
             "mean_request_tau": sum(taus) / len(taus) if taus else None,
-            "outputs_equal": (n_eq == len(ents)) if greedy else None,
+            # equal only when every request was compared: a failed one (here or in plain) is not
+            "outputs_equal": _all_equal(n_eq, len(ents), len(mine)) if greedy else None,
             "num_equal": n_eq,
             "draft_time_s": sum(e.get("draft_time_s") or 0.0 for e in ents),
             "target_time_s": sum(e.get("target_time_s") or 0.0 for e in ents),
-            "errors": len(records) - len(both),
+            "errors": sum(1 for e in mine if e.get("error")),
         }
         ft = (forward_times or {}).get(name)
         if ft and m["speedup"] and counts.steps:
@@ -85,9 +88,16 @@ def summarize(
             m["efficiency"] = efficiency(m["speedup"], m["analytic_limit"])
             m["forward_times_s"] = dict(ft)
     eqs = [m["outputs_equal"] for m in out["methods"].values()]
-    out["outputs_equal"] = all(eqs) if greedy and eqs else None
-    out["errors"] = len(records) - len(ok)
+    out["outputs_equal"] = False if False in eqs else (True if eqs and None not in eqs else None)
+    out["errors"] = sum(1 for r in records if failed(r))  # requests that failed in any pipeline
     return out
+
+
+def _all_equal(n_equal: int, n_compared: int, n_requests: int) -> bool | None:
+    """False on any mismatch; True when all ``n_requests`` were compared and equal; else None (unknown)."""
+    if n_equal < n_compared:
+        return False
+    return True if n_requests and n_compared == n_requests else None
 
 
 def request_metrics(rec: Mapping[str, Any]) -> dict[str, Any]:
@@ -101,12 +111,13 @@ def request_metrics(rec: Mapping[str, Any]) -> dict[str, Any]:
         m[f"{name}/tokens_per_s"] = e.get("tokens_per_s")
         m[f"{name}/time_s"] = e.get("time_s")
         m[f"{name}/speedup"] = pt / e["time_s"] if pt and e.get("time_s") else None
-        m[f"{name}/equal_to_plain"] = int(bool(e.get("equal_to_plain")))
+        eq = e.get("equal_to_plain")  # None: not compared (a failed request)
+        m[f"{name}/equal_to_plain"] = None if eq is None else int(eq)
     return {k: v for k, v in m.items() if v is not None}
 
 
 TABLE_COLUMNS = ("id", "method", "gamma", "prompt_len", "output_len", "steps", "proposed", "accepted", "tau",
-                 "alpha", "equal_to_plain", "time_s", "tokens_per_s", "finish_reason")
+                 "alpha", "equal_to_plain", "time_s", "tokens_per_s", "finish_reason", "error")
 
 
 def table_rows(records: Sequence[Mapping[str, Any]]) -> list[list[Any]]:

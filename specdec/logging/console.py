@@ -43,6 +43,7 @@ SUMMARY_COLUMNS = (
     ("analytic_limit", "limit", ".2f"),
     ("efficiency", "efficiency", ".2f"),
     ("outputs_equal", "equal", ""),
+    ("errors", "errors", "d"),
 )
 
 
@@ -51,7 +52,7 @@ def summary_table(summary: Mapping[str, Any]) -> str:
     plain = summary.get("plain", {})
     rows = [{"method": "plain", "gamma": 0, "requests": plain.get("requests"), "tokens": plain.get("tokens"),
              "tokens_per_s": plain.get("tokens_per_s"), "speedup": 1.0 if plain.get("tokens_per_s") else None,
-             "tau": 1.0, "alpha": None, "outputs_equal": None}]
+             "tau": 1.0, "alpha": None, "outputs_equal": None, "errors": plain.get("errors")}]
     for name, m in summary.get("methods", {}).items():
         rows.append({"method": name, **{k: m.get(k) for k, _, _ in SUMMARY_COLUMNS if k != "method"}})
     return format_table(rows, SUMMARY_COLUMNS)
