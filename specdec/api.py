@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,17 +77,39 @@ class LLM:
 
     def generate(
         self,
-        prompts: Sequence[str] | Sequence[Sequence[int]],
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
         sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
     ) -> list[GenerationOutput]:
-        """Generates for every prompt (text or token ids); outputs in prompt order."""
+        """Generates for every prompt (text or token ids); outputs in prompt order.
+
+        A single string is one prompt. ``sampling``: one for every prompt, or a
+        list of one per prompt (another length is a ``ValueError``). A bad prompt
+        or sampling value ends that request only (its output has ``error`` set,
+        finish_reason ``"error"``); the others run as they would without it.
+        Whatever raises inside (an exception, KeyboardInterrupt) frees every KV
+        block and state slot of the call before it propagates: this LLM then
+        serves the next call as a fresh one would.
+        """
+        if isinstance(prompts, (str, bytes)):
+            prompts = [prompts]
+        if not isinstance(prompts, Iterable):
+            raise TypeError(f"prompts must be a list of prompts (text or token ids), got {type(prompts).__name__}")
+        prompts = list(prompts)
+        if isinstance(sampling, SamplingParams):
+            params = [sampling] * len(prompts)
+        elif isinstance(sampling, Sequence) and not isinstance(sampling, str):
+            params = list(sampling)
+        else:
+            raise TypeError(f"sampling must be a SamplingParams or a list of one per prompt, "
+                            f"got {type(sampling).__name__}")
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         engine = self.new_engine()
-        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
         ctxs: list[TextContext] = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             rid = f"req-{i}"
             try:
-                ids = self.encode(p) if isinstance(p, str) else list(p)
+                ids = self.encode(p) if isinstance(p, str) else p
             except ValueError as e:  # text without a tokenizer: reject this request only
                 ctx = engine.add_request([], sp, request_id=rid)
                 ctx.error = f"request {rid!r}: {e}"

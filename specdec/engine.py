@@ -1,11 +1,18 @@
 """The engine: continuous batching over a :class:`GenerationPipeline`.
 
-Each :meth:`Engine.step` admits waiting requests up to ``max_batch_size``,
-gives each running request its tokens for this step within a token budget
-(whole decode steps first, then prefill chunks), reserves KV blocks —
-preempting the newest request when blocks run out, to recompute it later —
-runs one pipeline step and appends the new tokens, stopping each request
-exactly at EOS, a stop id or ``max_new_tokens``.
+Each :meth:`Engine.step` ends requests past their deadline, admits waiting
+requests in order up to ``max_batch_size`` while the KV cache has room for
+them and headroom for the running ones, gives each running request its tokens
+for this step within a token budget (whole decode steps first, then prefill
+chunks), reserves KV blocks — preempting the newest request on the replica
+when blocks run out, to recompute it later — runs one pipeline step and
+appends the new tokens, stopping each request exactly at EOS, a stop id or
+``max_new_tokens``.
+
+Faults stay with their request: a bad request is rejected when added (its
+error names it and the field), one that can never fit the cache too; a
+pipeline's :class:`RequestFailure` ends that request only; and whatever
+raises inside a step leaves every KV block and state slot free.
 """
 
 from __future__ import annotations
@@ -14,9 +21,11 @@ import itertools
 import operator
 import random
 import time
-from collections import deque
-from collections.abc import Iterable, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from specdec.core.context import RequestError, RequestFailure, SamplingParams, Status, TextContext
 from specdec.core.kv_cache import OutOfBlocks
@@ -76,7 +85,10 @@ class EngineStats:
 
 
 class Engine:
-    """Continuous batching: requests join and leave the running batch."""
+    """Continuous batching: requests join and leave the running batch.
+
+    ``clock``: the host clock of every timestamp and deadline (tests pass their own).
+    """
 
     def __init__(
         self,
@@ -85,15 +97,18 @@ class Engine:
         *,
         eos_token_ids: Sequence[int] = (),
         num_replicas: int = 1,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.pipeline = pipeline
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_replicas = num_replicas
+        self.clock = clock
         self.waiting: deque[TextContext] = deque()
         self.running: list[TextContext] = []
         self.finished: list[TextContext] = []
         self.stats = EngineStats()
+        self._live: dict[str, TextContext] = {}  # waiting or running, by id
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -103,70 +118,147 @@ class Engine:
     def add_request(
         self, prompt: Sequence[int], sampling: SamplingParams = SamplingParams(), request_id: str | None = None
     ) -> TextContext:
-        """Queues a request; a bad one is rejected (``status == REJECTED``), never raised."""
+        """Queues a request; a bad one is rejected (``status == REJECTED``, its
+        ``error`` names it and what is wrong), never raised: a prompt that is not
+        token ids, a bad sampling value, an id already queued or running, or a
+        request too big for the whole KV cache. ``sampling.deadline_s`` counts
+        from here."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        tokens = list(prompt)
-        try:  # numpy / torch integers -> int; anything else is left for _validate to reject
-            tokens = [operator.index(t) for t in tokens]
-        except TypeError:
-            pass
+        try:
+            tokens, bad_prompt = _token_ids(prompt), None
+        except ValueError as e:
+            tokens, bad_prompt = [], str(e)
         ctx = TextContext(
             request_id=rid, tokens=tokens, prompt_len=len(tokens), sampling=sampling,
             eos_token_ids=self.eos_token_ids,
         )
         try:
+            if bad_prompt is not None:
+                raise RequestError(f"request {rid!r}: {bad_prompt}")
             self._validate(ctx)
-        except (RequestError, ValueError, TypeError) as e:
+        except RequestError as e:
             ctx.reject(str(e))
             self.finished.append(ctx)
             return ctx
-        ctx.t_added = time.perf_counter()
+        ctx.t_added = self.clock()
         ctx.seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
         ctx.replica = next(self._next_replica) % self.num_replicas
         self.waiting.append(ctx)
+        self._live[rid] = ctx
         return ctx
 
     def _validate(self, ctx: TextContext) -> None:
         rid = ctx.request_id
+        if not isinstance(ctx.sampling, SamplingParams):
+            raise RequestError(f"request {rid!r}: sampling must be a SamplingParams, got {type(ctx.sampling).__name__}")
         try:
             ctx.sampling.validate()
         except ValueError as e:
             raise RequestError(f"request {rid!r}: {e}") from None
+        if rid in self._live:
+            raise RequestError(f"request {rid!r}: a request with this id is already queued or running")
         if not ctx.tokens:
             raise RequestError(f"request {rid!r}: empty prompt")
         vocab = self.pipeline.vocab_size
-        not_int = [t for t in ctx.tokens if not isinstance(t, int)]
-        if not_int:
-            raise RequestError(f"request {rid!r}: token ids must be integers, got {not_int[:5]}")
         bad = [t for t in ctx.tokens if not (0 <= t < vocab)]
         if bad:
             raise RequestError(f"request {rid!r}: token ids out of vocabulary [0, {vocab}): {bad[:5]}")
-        if len(ctx.tokens) >= self.pipeline.max_seq_len:
+        max_seq = self.pipeline.max_seq_len
+        if len(ctx.tokens) >= max_seq:
             raise RequestError(
                 f"request {rid!r}: prompt of {len(ctx.tokens)} tokens does not fit max_seq_len "
-                f"{self.pipeline.max_seq_len} (needs room for at least one new token)"
+                f"{max_seq} (needs room for at least one new token)"
             )
+        total = self.pipeline.total_blocks()
+        for name, need in self.pipeline.max_blocks(ctx).items():
+            if need > total[name]:
+                raise RequestError(
+                    f"request {rid!r} can never fit the KV cache: {ctx.max_length(max_seq)} tokens (prompt "
+                    f"{ctx.prompt_len} + max_new_tokens {ctx.sampling.max_new_tokens}, at most max_seq_len "
+                    f"{max_seq}) with the step's lookahead need {need} KV blocks of the {name!r} cache, "
+                    f"which has {total[name]}; raise runtime.num_blocks or lower max_new_tokens"
+                )
+
+    def abort(self, request_id: str) -> bool:
+        """Ends a queued or running request now (finish_reason ``"abort"``, its
+        tokens so far kept), freeing its KV blocks and state slot; the others go
+        on untouched. False if no such request is queued or running."""
+        ctx = self._live.get(request_id)
+        if ctx is None:
+            return False
+        self._end(ctx, "abort", f"request {request_id!r} aborted after {ctx.num_generated} new tokens")
+        return True
 
     # -- stepping ------------------------------------------------------------------
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _end(self, ctx: TextContext, reason: str, error: str) -> None:
+        ctx.end_early(reason, error)
+        self._retire(ctx)
+
+    def _retire(self, ctx: TextContext) -> None:
+        """Takes an ended request out of the queue or the batch and frees what it holds."""
+        if ctx in self.running:
+            self.running.remove(ctx)
+        else:
+            self.waiting.remove(ctx)
+        del self._live[ctx.request_id]
+        self.pipeline.free(ctx)
+        if ctx.t_finished is None:
+            ctx.t_finished = self.clock()
+        self.finished.append(ctx)
+
+    def _expire(self) -> list[TextContext]:
+        """Ends the requests whose deadline has passed."""
+        now = self.clock()
+        late = [c for c in self._live.values()  # (every queued request has its t_added)
+                if c.sampling.deadline_s is not None and now - (c.t_added or 0.0) >= c.sampling.deadline_s]
+        for ctx in late:
+            self._end(ctx, "deadline", f"request {ctx.request_id!r} passed its deadline of "
+                                       f"{ctx.sampling.deadline_s} s after {ctx.num_generated} new tokens")
+        return late
+
     def _admit(self) -> None:
+        """Admits queued requests in order (per replica) while the batch has room
+        and the replica's free KV blocks hold the request's whole context with
+        headroom left for the next step of every request running there.
+        Admitting past that only gets the newest preempted again at once: the
+        engine would thrash. A request alone on its replica is always admitted
+        (:meth:`_validate` made sure it fits an empty cache)."""
         # The pipeline's own bound (state slots, KV sizing) caps the engine's.
         limit = min(self.config.max_batch_size, self.pipeline.max_batch_size)
-        while self.waiting and len(self.running) < limit:
-            ctx = self.waiting.popleft()
+        pending: dict[int, Counter[str]] = {}  # per replica: blocks the running requests' next steps need
+        blocked: set[int] = set()  # replicas whose first queued request waits for room
+        for ctx in list(self.waiting):
+            if len(self.running) >= limit or len(blocked) == self.num_replicas:
+                break
+            r = ctx.replica
+            if r in blocked:
+                continue
+            if r not in pending:
+                pending[r] = Counter()
+                for c in self.running:
+                    if c.replica == r:
+                        pending[r].update(self.pipeline.blocks_needed(c))
+            need = pending[r] + Counter(self.pipeline.blocks_needed(ctx))
+            free = self.pipeline.free_blocks(r)
+            if any(c.replica == r for c in self.running) and any(n > free[k] for k, n in need.items()):
+                blocked.add(r)
+                continue
+            pending[r] = need
+            self.waiting.remove(ctx)
             ctx.status = Status.RUNNING
             ctx.arrival = next(self._arrivals)
             self.running.append(ctx)
 
     def _preempt(self, ctx: TextContext) -> None:
-        """Frees a request's KV and sends it back to the queue to recompute later."""
-        self.pipeline.free(ctx)
+        """Frees a request's KV and state slot and sends it back to the head of the
+        queue, to recompute when there is room again."""
         self.running.remove(ctx)
+        self.pipeline.free(ctx)
         ctx.status = Status.WAITING
         self.waiting.appendleft(ctx)
-        self.stats.preemptions += 1
 
     def _schedule(self) -> tuple[list[TextContext], list[int]]:
         budget = self.config.max_tokens_per_step
@@ -184,35 +276,62 @@ class Engine:
         return batch, num_new
 
     def _reserve(self, batch: list[TextContext], num_new: list[int]) -> tuple[list[TextContext], list[int]]:
-        """Reserves KV for the step; on OutOfBlocks preempts the newest request and retries."""
-        while True:
+        """Reserves KV for the step. When a request's replica runs out of blocks,
+        preempts the newest request running there (last in line: first come,
+        first served) and retries; the blocks reserved so far stay reserved."""
+        batch, num_new = list(batch), list(num_new)
+        i = 0
+        while i < len(batch):
             try:
-                for ctx, n in zip(batch, num_new):
-                    self.pipeline.reserve(ctx, n)
-                return batch, num_new
-            except OutOfBlocks:
-                victim = max(self.running, key=lambda c: c.arrival)
-                if len(self.running) == 1:
-                    # Alone and still too big: this request can never run. Reject
-                    # it (the rest of the queue goes on) rather than fail the run.
-                    self.pipeline.free(victim)
-                    self.running.remove(victim)
+                self.pipeline.reserve(batch[i], num_new[i])
+            except OutOfBlocks as e:
+                rivals = [c for c in self.running if c.replica == batch[i].replica]
+                victim = max(rivals, key=lambda c: c.arrival)
+                if len(rivals) == 1:
+                    # Alone and still short: something outside this engine holds
+                    # blocks. Reject it (the queue goes on) rather than spin.
                     victim.reject(
-                        f"request {victim.request_id!r} alone needs more KV blocks than the cache has; "
-                        "raise runtime.num_blocks or lower max_seq_len"
+                        f"request {victim.request_id!r} cannot get KV blocks with the cache to itself ({e}): "
+                        "blocks are held outside this engine"
                     )
-                    self.finished.append(victim)
+                    self._retire(victim)
                 else:
                     self._preempt(victim)
-                keep = [(c, n) for c, n in zip(batch, num_new) if c is not victim]
-                batch, num_new = [c for c, _ in keep], [n for _, n in keep]
+                    self.stats.preemptions += 1
+                if victim in batch:
+                    j = batch.index(victim)
+                    del batch[j], num_new[j]
+                    if j < i:
+                        i -= 1
+                continue
+            i += 1
+        return batch, num_new
 
     def step(self) -> list[TextContext]:
-        """One engine step; returns the requests that finished in it."""
+        """One engine step; returns the requests that ended in it.
+
+        Exception-safe: if anything raises inside (the pipeline, a
+        KeyboardInterrupt), every running request frees its KV blocks and state
+        slot and goes back to the queue (to recompute, as after a preemption)
+        before the exception propagates: the pipeline holds nothing of the
+        failed step and the engine can go on.
+        """
+        try:
+            return self._step()
+        except BaseException:
+            for ctx in sorted(self.running, key=lambda c: c.arrival, reverse=True):
+                if ctx.done:  # ended in the step, before it was retired
+                    self._retire(ctx)
+                else:
+                    self._preempt(ctx)
+            raise
+
+    def _step(self) -> list[TextContext]:
+        ended = self._expire()
         self._admit()
         batch, num_new = self._schedule()
         if not batch:
-            return []
+            return ended
         batch, num_new = self._reserve(batch, num_new)
         while not batch and self.running:
             # Every scheduled request was preempted (they held too few blocks to
@@ -220,12 +339,12 @@ class Engine:
             # hold the blocks. Each round preempts at least one, so this ends.
             batch, num_new = self._schedule()
             if not batch:
-                return []
+                return ended
             batch, num_new = self._reserve(batch, num_new)
         if not batch:
-            return []
+            return ended
         new_tokens = self.pipeline.step(batch, num_new)
-        now = time.perf_counter()
+        now = self.clock()
         self.stats.steps += 1
         self.stats.step_batch_sizes.append(len(batch))
         done = []
@@ -247,16 +366,48 @@ class Engine:
                 ctx.t_finished = now
                 done.append(ctx)
         for ctx in done:
-            self.pipeline.free(ctx)
-            self.running.remove(ctx)
-            self.finished.append(ctx)
-        return done
+            self._retire(ctx)
+        return ended + done
 
     def run(self) -> list[TextContext]:
-        """Steps until every request has finished; returns all finished requests."""
-        while self.has_work():
-            self.step()
+        """Steps until every request has ended; returns all ended requests.
+
+        If a step raises, every request not yet ended is ended (finish_reason
+        ``"abort"``, its error names the exception) before the exception
+        propagates: the pipeline keeps nothing of this run, and serves the next
+        as a fresh one would.
+        """
+        try:
+            while self.has_work():
+                self.step()
+        except BaseException as e:
+            for ctx in [*self.running, *self.waiting]:
+                self._end(ctx, "abort", f"request {ctx.request_id!r}: the run stopped: {type(e).__name__}: {e}")
+            raise
         return self.finished
+
+
+def _is_bool(t: object) -> bool:
+    return isinstance(t, bool) or getattr(t, "dtype", None) is torch.bool
+
+
+def _token_ids(prompt: object) -> list[int]:
+    """``prompt`` as a list of ints (numpy / torch integers converted); raises
+    ``ValueError`` for anything else: text or bytes (not token ids), a prompt
+    that is not a sequence, bool or non-integer elements."""
+    if isinstance(prompt, (str, bytes, bytearray)) or not isinstance(prompt, Iterable):
+        raise ValueError(f"prompt must be a sequence of token ids, got {type(prompt).__name__}")
+    tokens, bad = [], []
+    for t in prompt:
+        try:
+            if _is_bool(t):
+                raise TypeError
+            tokens.append(operator.index(t))
+        except TypeError:
+            bad.append(t)
+    if bad:
+        raise ValueError(f"token ids must be integers (not bool), got {bad[:5]}")
+    return tokens
 
 
 def generate_ids(

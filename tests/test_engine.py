@@ -202,28 +202,50 @@ def test_chunked_prefill_with_preemption(ckpt, reference_outputs):
 def test_preempted_request_holding_no_blocks_does_not_stall_the_step(ckpt):
     """A step whose every scheduled request is preempted still makes progress.
 
-    A long prompt is mid-prefill and holds every block; a one-token prompt
-    arrives, is scheduled first (one token to feed) and takes the whole step
-    budget, cannot get a block and is preempted: the engine must run the
-    long prompt instead of packing an empty batch (or spinning).
+    A long prompt is mid-prefill (one token a step) and holds 3 of the 4
+    blocks; a one-token prompt arrives and fits the last block. Decoding, it is
+    scheduled first and takes the whole step budget until it needs a second
+    block: it is the newest, so it is preempted, and the engine must run the
+    long prompt instead of packing an empty batch (or spinning). It then waits
+    (no room to recompute) until the long one is done: one preemption only.
     """
     path, hf = ckpt
-    pm = registered_pipeline_model(path, RuntimeConfig(max_batch_size=4, max_seq_len=64, block_size=4, num_blocks=3))
+    pm = registered_pipeline_model(path, RuntimeConfig(max_batch_size=4, max_seq_len=64, block_size=4, num_blocks=4))
     engine = _engine(pm, max_batch_size=4, max_tokens_per_step=1)
     a = engine.add_request(list(range(1, 13)), SamplingParams(max_new_tokens=1, ignore_eos=True), "long")
     for _ in range(9):
         engine.step()
-    assert a.processed() == 9 and pm.caches[0].allocator.num_free == 0
-    b = engine.add_request([5], SamplingParams(max_new_tokens=2, ignore_eos=True), "short")
+    assert a.processed() == 9 and pm.caches[0].allocator.num_free == 1
+    b = engine.add_request([5], SamplingParams(max_new_tokens=6, ignore_eos=True), "short")
     for _ in range(50):
         if not engine.has_work():
             break
         engine.step()
     assert not engine.has_work()
     assert a.status is b.status is Status.FINISHED
-    assert engine.stats.preemptions > 0
+    assert engine.stats.preemptions == 1
     ref_pm = registered_pipeline_model(path, RuntimeConfig(max_batch_size=2, max_seq_len=64, block_size=4))
     assert a.generated == _alone(ref_pm, a.tokens[: a.prompt_len], a.sampling)
+    assert b.generated == _alone(ref_pm, [5], b.sampling)
+    _assert_all_free(pm)
+
+
+def test_a_request_arriving_at_a_full_cache_waits_for_room(ckpt):
+    """Admission leaves the running requests room for their next steps: a request
+    that would only be preempted at once stays queued until blocks come back."""
+    path, _ = ckpt
+    pm = registered_pipeline_model(path, RuntimeConfig(max_batch_size=4, max_seq_len=64, block_size=4, num_blocks=3))
+    engine = _engine(pm, max_batch_size=4, max_tokens_per_step=1)
+    a = engine.add_request(list(range(1, 13)), SamplingParams(max_new_tokens=1, ignore_eos=True), "long")
+    for _ in range(9):
+        engine.step()
+    assert pm.caches[0].allocator.num_free == 0
+    b = engine.add_request([5], SamplingParams(max_new_tokens=2, ignore_eos=True), "short")
+    engine.step()
+    assert b.status is Status.WAITING and a.processed() == 10
+    engine.run()
+    assert a.status is b.status is Status.FINISHED and engine.stats.preemptions == 0
+    ref_pm = registered_pipeline_model(path, RuntimeConfig(max_batch_size=2, max_seq_len=64, block_size=4))
     assert b.generated == _alone(ref_pm, [5], b.sampling)
     _assert_all_free(pm)
 
@@ -284,14 +306,29 @@ def test_bad_requests_rejected_by_id(big_pipeline, ckpt, hf_greedy):
         "neg-top-k": ([1, 2], SamplingParams(top_k=-1), "top_k"),
         "zero-new": ([1, 2], SamplingParams(max_new_tokens=0), "max_new_tokens"),
         "bad-seed": ([1, 2], SamplingParams(seed=-3), "seed"),
+        "bool-token": ([1, True, 2], GREEDY, "not bool"),
+        "bool-tensor": (torch.tensor([True, False]), GREEDY, "not bool"),
+        "bytes": (b"\x01\x02", GREEDY, "got bytes"),
+        "text": ("12", GREEDY, "got str"),
+        "none": (None, GREEDY, "got NoneType"),
+        "int": (7, GREEDY, "got int"),
+        "frac-new": ([1, 2], SamplingParams(max_new_tokens=2.5), "sampling.max_new_tokens"),
+        "frac-top-k": ([1, 2], SamplingParams(top_k=2.5), "sampling.top_k"),
+        "frac-seed": ([1, 2], SamplingParams(seed=1.5), "sampling.seed"),
+        "inf-temp": ([1, 2], SamplingParams(temperature=float("inf")), "sampling.temperature"),
+        "str-temp": ([1, 2], SamplingParams(temperature="hot"), "sampling.temperature"),
+        "int-stop": ([1, 2], SamplingParams(stop_token_ids=5), "sampling.stop_token_ids"),
+        "not-params": ([1, 2], {"temperature": 0.5}, "must be a SamplingParams"),
     }
     engine = _engine(big_pipeline)
     g0 = engine.add_request(good[0], GREEDY, "good-0")
     rejected = {rid: engine.add_request(p, sp, rid) for rid, (p, sp, _) in bad.items()}
+    dup = engine.add_request(good[1], GREEDY, "good-0")  # a live id: the two would share per-request state
+    assert dup.status is Status.REJECTED and "'good-0'" in dup.error and "already queued or running" in dup.error
     g1 = engine.add_request(good[1], GREEDY, "good-1")
     for rid, ctx in rejected.items():
         assert ctx.status is Status.REJECTED and ctx.finish_reason == "error"
-        assert rid in ctx.error and bad[rid][2] in ctx.error, ctx.error
+        assert f"'{rid}'" in ctx.error and bad[rid][2] in ctx.error, ctx.error
         assert ctx.generated == []
     assert len(engine.waiting) == 2  # rejected requests never queue
     engine.run()
@@ -426,11 +463,31 @@ def test_request_too_big_for_the_whole_cache_is_rejected_alone(ckpt):
     engine = _engine(pm, max_batch_size=4)
     small = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True), "small")
     big = engine.add_request(list(range(1, 31)), SamplingParams(max_new_tokens=4, ignore_eos=True), "big")
+    assert big.status is Status.REJECTED  # at admission, before it generated anything
+    assert "'big'" in big.error and "need 9 KV blocks" in big.error and "which has 4" in big.error, big.error
     engine.run()
     assert small.finish_reason == "length" and small.num_generated == 4
-    assert big.status is Status.REJECTED
-    assert "'big'" in big.error and "KV blocks" in big.error
+    assert big.generated == []
     assert pm.caches[0].allocator.num_free == 4  # nothing leaked
+
+
+def test_blocks_held_outside_the_engine_reject_a_request_alone_instead_of_spinning(ckpt):
+    """A request that fits the empty cache but cannot get blocks with nothing
+    else running (another holder has them) is rejected by id; the engine does
+    not preempt and readmit it forever."""
+    from specdec.core.context import TextContext
+
+    path, _ = ckpt
+    pm = registered_pipeline_model(path, RuntimeConfig(max_batch_size=4, max_seq_len=64, block_size=4, num_blocks=4))
+    holder = TextContext(request_id="other", tokens=[1] * 12, prompt_len=12, sampling=GREEDY)
+    pm.reserve(holder, 12)  # 3 of the 4 blocks
+    engine = _engine(pm, max_batch_size=4)
+    c = engine.add_request(list(range(1, 9)), SamplingParams(max_new_tokens=4, ignore_eos=True), "c")
+    engine.run()
+    assert c.status is Status.REJECTED and "'c'" in c.error and "held outside this engine" in c.error, c.error
+    assert engine.stats.preemptions == 0
+    pm.free(holder)
+    _assert_all_free(pm)
 
 
 def test_request_timing_fields(big_pipeline, ckpt):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import enum
+import math
+import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -23,9 +26,24 @@ class RequestFailure:
     reason: str  # names the request and what failed
 
 
+def _is_int(x: object) -> bool:
+    """An integer (Python, numpy …) and not a bool: ``True`` is neither a count nor a token id."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_finite(x: object) -> bool:
+    """A finite real number, not a bool (``inf`` temperature would sample uniform noise)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request picks its tokens. ``temperature == 0`` is greedy."""
+    """How one request picks its tokens. ``temperature == 0`` is greedy.
+
+    ``deadline_s``: seconds after the request is queued past which the engine
+    ends it (finish_reason ``"deadline"``, its tokens so far kept), checked
+    between steps; None: no deadline.
+    """
 
     temperature: float = 0.0
     top_k: int = 0  # 0: no top-k
@@ -34,19 +52,30 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    deadline_s: float | None = None
 
     def validate(self) -> None:
-        """Raises ``ValueError`` naming the first bad field."""
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature!r}")
-        if self.top_k < 0:
-            raise ValueError(f"sampling.top_k must be >= 0, got {self.top_k!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p!r}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
-        if self.seed is not None and not (0 <= self.seed < 2**63):
-            raise ValueError(f"sampling.seed must be in [0, 2**63), got {self.seed!r}")
+        """Raises ``ValueError`` naming the first bad field. Checked here, at
+        admission, so a wrong type never reaches a step (where ``2.5`` tokens
+        would fail the whole batch): integers are integers (bool excluded),
+        reals are finite."""
+        checks = (
+            ("temperature", _is_finite(self.temperature) and self.temperature >= 0, "a finite number >= 0"),
+            ("top_k", _is_int(self.top_k) and self.top_k >= 0, "an integer >= 0"),
+            ("top_p", _is_finite(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("seed", self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63),
+             "an integer in [0, 2**63) or None"),
+            ("max_new_tokens", _is_int(self.max_new_tokens) and self.max_new_tokens >= 1, "an integer >= 1"),
+            ("stop_token_ids", isinstance(self.stop_token_ids, Sequence)
+             and not isinstance(self.stop_token_ids, (str, bytes))
+             and all(_is_int(t) for t in self.stop_token_ids), "a list or tuple of integer token ids"),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "True or False"),
+            ("deadline_s", self.deadline_s is None or (_is_finite(self.deadline_s) and self.deadline_s > 0),
+             "a finite number of seconds > 0 or None"),
+        )
+        for name, ok, want in checks:
+            if not ok:
+                raise ValueError(f"sampling.{name} must be {want}, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
@@ -75,7 +104,7 @@ class TextContext:
     sampling: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # "eos" | "stop" | "length" | "error"
+    finish_reason: str | None = None  # "eos" | "stop" | "length" | "error" | "abort" | "deadline"
     error: str | None = None
     slot: int | None = None  # state-store slot while running
     kv: dict[str, BlockTable] = field(default_factory=dict)
@@ -103,6 +132,10 @@ class TextContext:
         """How many tokens the model behind ``cache`` has in its KV cache."""
         table = self.kv.get(cache)
         return 0 if table is None else table.num_tokens
+
+    def max_length(self, max_seq_len: int) -> int:
+        """The most tokens it can reach: prompt + max_new_tokens, capped at ``max_seq_len``."""
+        return min(self.prompt_len + self.sampling.max_new_tokens, max_seq_len)
 
     @property
     def done(self) -> bool:
@@ -133,6 +166,13 @@ class TextContext:
     def finish(self, reason: str) -> None:
         self.status = Status.FINISHED
         self.finish_reason = reason
+
+    def end_early(self, reason: str, error: str) -> None:
+        """Ends it before a stop condition (``"abort"``, ``"deadline"``): the
+        tokens so far are kept, ``error`` says why."""
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.error = error
 
     def reject(self, error: str) -> None:
         self.status = Status.REJECTED
