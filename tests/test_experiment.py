@@ -44,9 +44,9 @@ def _tiny_llama(path: Path, *, layers: int, seed: int, noise: float = 0.0) -> Pa
     transformers = pytest.importorskip("transformers")
     import torch
 
-    cfg = transformers.LlamaConfig(
+    cfg = transformers.LlamaConfig(  # max_position_embeddings: room for runtime.max_seq_len's default
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3, max_position_embeddings=256,
+        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3, max_position_embeddings=1024,
         eos_token_id=None, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
     )
     torch.manual_seed(seed)

@@ -9,7 +9,7 @@ sits in memory twice.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,21 +33,36 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     if not cfg_file.is_file():
         raise CheckpointError(f"missing config.json in checkpoint directory {str(path)!r}")
     try:
-        return json.loads(cfg_file.read_text())
+        hf = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{cfg_file} must hold a JSON object of model settings, got {json.dumps(hf)[:80]}")
+    return hf
+
+
+def weight_map(path: str | Path) -> dict[str, str] | None:
+    """The index's ``weight_map`` (tensor name -> shard file name) of a sharded
+    checkpoint; None for a single ``model.safetensors``."""
+    index = Path(path) / "model.safetensors.index.json"
+    if not index.is_file():
+        return None
+    try:
+        wm = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from None
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
+    return wm
 
 
 def weight_files(path: str | Path) -> list[Path]:
     """The safetensors files of a checkpoint: one file, or the shards an index names."""
     path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from None
-        files = [path / f for f in sorted(set(weight_map.values()))]
+    wm = weight_map(path)
+    if wm is not None:
+        index = path / "model.safetensors.index.json"
+        files = [path / f for f in sorted(set(wm.values()))]
         for f in files:
             if not f.is_file():
                 raise CheckpointError(f"shard {f.name} named in {index} is missing")
@@ -60,14 +75,26 @@ def weight_files(path: str | Path) -> list[Path]:
     )
 
 
-def iter_tensors(files: list[Path]) -> Iterator[tuple[str, Path, Any]]:
-    """Yields ``(name, file, handle)`` for every tensor, one open file at a time."""
+def iter_tensors(files: list[Path], index: dict[str, str] | None = None) -> Iterator[tuple[str, Path, Any]]:
+    """Yields ``(name, file, handle)`` for every tensor, one open file at a time.
+
+    A name stored in two files, or in another file than the one ``index`` (the
+    ``weight_map``) names, is an error: otherwise the last file read would win
+    silently, whatever the index says.
+    """
     from safetensors import SafetensorError, safe_open
 
+    seen: dict[str, Path] = {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as h:
                 for name in h.keys():
+                    if name in seen:
+                        raise CheckpointError(f"tensor {name!r} is stored twice, in {seen[name]} and in {f}")
+                    if index is not None and index.get(name, f.name) != f.name:
+                        raise CheckpointError(f"tensor {name!r} is in {f}, but "
+                                              f"{f.parent / 'model.safetensors.index.json'} maps it to {index[name]}")
+                    seen[name] = f
                     yield name, f, h
         except SafetensorError as e:
             raise CheckpointError(f"corrupt or truncated safetensors file {f}: {e}") from None
@@ -90,6 +117,7 @@ def load_state_dict_into(
     dtype: torch.dtype | None,
     override_quantization_encoding: bool = False,
     device: torch.device | str = "cpu",
+    index: dict[str, str] | None = None,
 ) -> None:
     """Fills ``module``'s parameters from safetensors ``files``, tensor by tensor.
 
@@ -97,6 +125,7 @@ def load_state_dict_into(
     it is read. Errors list every missing, unexpected and mis-shaped tensor by
     name, in one message. ``override_quantization_encoding``: keep each
     tensor's checkpoint dtype; otherwise cast to ``dtype`` (the declared one).
+    ``index``: the sharded checkpoint's ``weight_map`` (see :func:`iter_tensors`).
     """
     params = dict(module.named_parameters())  # tied weights appear once
     tied_aliases = {n for n, _ in module.named_parameters(remove_duplicate=False)} - set(params)
@@ -104,7 +133,7 @@ def load_state_dict_into(
     unexpected: list[str] = []
     misshaped: list[str] = []
     pending: dict[str, torch.Tensor] = {}
-    for name, file, handle in iter_tensors(files):
+    for name, file, handle in iter_tensors(files, index):
         if name not in params:
             if name not in tied_aliases:
                 unexpected.append(name)
@@ -168,6 +197,7 @@ def load_graph_api_module(
         dtype=declared,
         override_quantization_encoding=getattr(module_cls, "override_quantization_encoding", False),
         device=device,
+        index=weight_map(path),
     )
     # Buffers made on meta (e.g. lazily built rope tables) get real storage.
     for mod in module.modules():
@@ -183,13 +213,21 @@ def load_decoder(
     role: Role = Role.DECODER,
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
+    check: Callable[[Any], None] | None = None,
 ) -> LoadedDecoder:
-    """Reads ``config.json``, finds the registered class, loads the weights."""
+    """Reads ``config.json``, finds the registered class, loads the weights.
+
+    ``check(config)`` runs on the parsed config before any weight is read (a
+    run setting the model cannot serve fails before a long load).
+    """
     path = Path(path)
     hf = read_hf_config(path)
     archs = hf.get("architectures") or []
     if not archs:
         raise CheckpointError(f"{path / 'config.json'} names no 'architectures'")
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise CheckpointError(f"{path / 'config.json'}: 'architectures' must be a list of class names, "
+                              f'e.g. ["LlamaForCausalLM"], got {json.dumps(archs)}')
     try:
         module_cls = lookup(archs[0], role)
     except KeyError as e:  # unknown architecture: name the file and the registered ones
@@ -201,6 +239,8 @@ def load_decoder(
         config = config_cls.from_dict(hf)
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{path / 'config.json'}: {e}") from None
+    if check is not None:
+        check(config)
     module = load_graph_api_module(module_cls, config, path, dtype=dtype, device=device)
     return LoadedDecoder(module=module, config=config, path=path)
 

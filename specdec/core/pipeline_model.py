@@ -35,7 +35,14 @@ from specdec.core.kv_cache import BlockTable, KVCacheParams, PagedKVCache
 from specdec.core.registry import BuildContext, Role
 from specdec.core.state_store import RequestStateStore
 from specdec.spec.metrics import RunStats
-from specdec.sampling import LANE_TARGET, greedy_tokens, probs_from_logits, sample_from, sampling_tensors
+from specdec.sampling import (
+    LANE_TARGET,
+    finite_rows,
+    greedy_tokens,
+    probs_from_logits,
+    sample_from,
+    sampling_tensors,
+)
 
 
 @dataclass(frozen=True)
@@ -189,6 +196,23 @@ class DecoderPipelineModel:
         if table is not None:
             self.caches[ctx.replica].free(table)
 
+    # -- capacity (what the engine's admission and preemption decide by) ----------
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks of each replica's cache."""
+        return self.caches[0].params.num_blocks
+
+    def num_free_blocks(self, replica: int = 0) -> int:
+        return self.caches[replica].allocator.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """KV blocks that hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.caches[0].block_size)
+
+    def blocks_needed(self, ctx: TextContext, num_tokens: int) -> int:
+        """KV blocks ``ctx`` needs beyond those it holds to hold ``num_tokens`` tokens."""
+        return self.caches[ctx.replica].blocks_needed(ctx.kv.get(self.cache_name) or BlockTable(), num_tokens)
+
 
 def registered_pipeline_model(
     checkpoint: str | Path | LoadedDecoder,
@@ -203,11 +227,18 @@ def registered_pipeline_model(
 
     ``extra_tokens``: per-sequence slack the KV cache must hold beyond
     ``max_seq_len`` (draft lookahead). ``processor_cls`` batches for the decoder.
+    A device this machine lacks, or a ``max_seq_len`` past the model's
+    positions, fails before any weight is read.
     """
+    check_device(runtime.device)
     dtype = getattr(torch, runtime.dtype) if runtime.dtype else None
-    loaded = checkpoint if isinstance(checkpoint, LoadedDecoder) else load_decoder(
-        checkpoint, role=role, dtype=dtype, device=runtime.device
-    )
+    if isinstance(checkpoint, LoadedDecoder):
+        loaded = checkpoint
+        check_positions(loaded.config, runtime, loaded.path)
+    else:
+        path = Path(checkpoint)
+        loaded = load_decoder(path, role=role, dtype=dtype, device=runtime.device,
+                              check=lambda config: check_positions(config, runtime, path))
     module, config = loaded.module, loaded.config
     module_cls = type(module)
     if runtime.data_parallel_degree > 1 and not getattr(module_cls, "supports_data_parallel", False):
@@ -233,6 +264,32 @@ def registered_pipeline_model(
     processor = processor_cls(config, rt)
     return DecoderPipelineModel(modules, config, processor, runtime, path=loaded.path,
                                 max_seq_len=runtime.max_seq_len + extra_tokens)
+
+
+def check_device(device: str) -> None:
+    """Raises ``ValueError`` naming ``runtime.device`` when this machine cannot
+    use it (no CUDA, an index past the last device, a misspelt name)."""
+    try:
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"torch {torch.__version__} sees no CUDA device here")
+        torch.empty(0, device=dev)  # any other backend, or a device index past the last
+    except (RuntimeError, AssertionError) as e:  # (AssertionError: torch built without that backend)
+        raise ValueError(f"runtime.device={device!r} cannot be used: {e}") from None
+
+
+def check_positions(config: Any, runtime: RuntimeConfig, path: Path) -> None:
+    """Raises ``ValueError`` when ``runtime.max_seq_len`` runs past the positions
+    the model was trained for. (A speculative pipeline's lookahead slack past
+    ``max_seq_len`` is internal, only drafts that are never verified land
+    there, so it is not counted.)"""
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and runtime.max_seq_len > limit:
+        raise ValueError(
+            f"runtime.max_seq_len={runtime.max_seq_len} is more than max_position_embeddings={limit} "
+            f"in {path / 'config.json'}: the model has no positions past {limit - 1}; "
+            f"set runtime.max_seq_len <= {limit}"
+        )
 
 
 def compile_decoder(module: nn.Module) -> None:
@@ -269,6 +326,21 @@ class GenerationPipeline(Protocol):
     def unprocessed(self, ctx: TextContext) -> int:
         """Tokens of ``ctx`` not yet in the model's cache."""
 
+    # Capacity, in KV blocks per cache name (the target's; a draft model's too):
+    def max_blocks(self, ctx: TextContext) -> dict[str, int]:
+        """The most blocks ``ctx`` may hold at once in its life (its longest
+        sequence and lookahead): above a cache's size it can never run."""
+
+    def blocks_needed(self, ctx: TextContext) -> dict[str, int]:
+        """Blocks ``ctx`` needs beyond those it holds to feed all its unprocessed
+        tokens (and lookahead) in one step."""
+
+    def free_blocks(self, replica: int) -> dict[str, int]:
+        """Free blocks of the caches of data-parallel ``replica``."""
+
+    def total_blocks(self) -> dict[str, int]:
+        """Blocks of each cache (every replica's is the same size)."""
+
 
 class PlainGeneration:
     """Ordinary decoding: one target forward per step, one token per request."""
@@ -298,6 +370,19 @@ class PlainGeneration:
     def free(self, ctx: TextContext) -> None:
         self.target.free(ctx)
 
+    def max_blocks(self, ctx: TextContext) -> dict[str, int]:
+        # Every token but the last is fed (the last emitted one never is).
+        return {self.target.cache_name: self.target.blocks_for(ctx.max_length(self.max_seq_len) - 1)}
+
+    def blocks_needed(self, ctx: TextContext) -> dict[str, int]:
+        return {self.target.cache_name: self.target.blocks_needed(ctx, len(ctx.tokens))}
+
+    def free_blocks(self, replica: int) -> dict[str, int]:
+        return {self.target.cache_name: self.target.num_free_blocks(replica)}
+
+    def total_blocks(self) -> dict[str, int]:
+        return {self.target.cache_name: self.target.num_blocks}
+
     def replica_batches(self, batch: list[TextContext]) -> list[list[TextContext]]:
         out: list[list[TextContext]] = [[] for _ in self.target.caches]
         for c in batch:
@@ -305,7 +390,7 @@ class PlainGeneration:
         return out
 
     @torch.inference_mode()
-    def step(self, batch: list[TextContext], num_new: list[int]) -> list[list[int]]:
+    def step(self, batch: list[TextContext], num_new: list[int]) -> list[list[int] | RequestFailure]:
         rb = self.replica_batches(batch)
         order = [c for r in rb for c in r]
         n_of = {id(c): n for c, n in zip(batch, num_new)}
@@ -320,9 +405,21 @@ class PlainGeneration:
             probs = probs_from_logits(logits.unsqueeze(1), st).squeeze(1)
             pos = torch.tensor([len(c.tokens) for c in order], dtype=torch.long, device=logits.device)
             toks = sample_from(probs, st.seeds, pos, LANE_TARGET)
-        toks_list = toks.tolist()
-        result = {}
+        # A row of non-finite logits fails its request only (no other row saw
+        # it: PagedAttend); -1 flags it, read in the step's one sync.
+        toks_list = toks.masked_fill(~finite_rows(logits), -1).tolist()
+        result: dict[int, list[int] | RequestFailure] = {}
         for c, t in zip(order, toks_list):
-            # A prefill chunk that stops short of the end emits nothing.
-            result[id(c)] = [t] if c.processed(self.target.cache_name) == len(c.tokens) else []
+            if c.processed(self.target.cache_name) != len(c.tokens):
+                result[id(c)] = []  # a prefill chunk that stops short of the end emits nothing
+            elif t < 0:
+                result[id(c)] = non_finite(c, "the target's logits", len(c.tokens))
+            else:
+                result[id(c)] = [t]
         return [result[id(c)] for c in batch]
+
+
+def non_finite(ctx: TextContext, what: str, position: int) -> RequestFailure:
+    """The failure of a request whose ``what`` went NaN or infinite at sequence ``position``."""
+    return RequestFailure(f"request {ctx.request_id!r}: {what} went non-finite (NaN or inf) at sequence "
+                          f"position {position}; this request stopped there, the others in its batch go on")

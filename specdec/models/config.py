@@ -16,6 +16,29 @@ import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+# Integer keys of config.json (the first five required): checked up front, so a
+# string or a float there is named, not met later deep inside module construction.
+_INT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+             "num_key_value_heads", "head_dim", "max_position_embeddings", "max_window_layers")
+
+
+def _check_types(d: dict[str, Any]) -> None:
+    """Raises ``ValueError`` naming the first key of ``d`` whose JSON type is wrong."""
+    for k in _INT_KEYS:
+        v = d.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ValueError(f"config.{k} must be an integer, got {v!r}")
+    archs = d.get("architectures")
+    if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
+        raise ValueError(f"config.architectures must be a list of class names, got {archs!r}")
+    for k in ("rope_parameters", "rope_scaling"):
+        if d.get(k) is not None and not isinstance(d[k], dict):
+            raise ValueError(f"config.{k} must be an object (or null), got {d[k]!r}")
+    eos = d.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [eos]
+    if eos is not None and not all(isinstance(e, int) and not isinstance(e, bool) for e in ids):
+        raise ValueError(f"config.eos_token_id must be a token id or a list of them, got {eos!r}")
+
 
 @dataclass
 class RopeConfig:
@@ -96,6 +119,9 @@ class LlamaConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LlamaConfig:
         """Parses an HF ``config.json`` dict (transformers 4.x or 5.x layout)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"config.json must hold a JSON object, got {d!r}")
+        _check_types(d)
         archs = d.get("architectures") or ["LlamaForCausalLM"]
         arch = archs[0]
         model_type = d.get("model_type", "")

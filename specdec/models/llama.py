@@ -70,7 +70,21 @@ class Attend(Protocol):
 
 
 class PagedAttend:
-    """Ragged batch over a paged cache: write the new k/v, gather, attend."""
+    """Ragged batch over a paged cache: write the new k/v, gather, attend.
+
+    Masking is by selection. A row's gathered keys include slots it must not
+    see: padding (another request's block), stale slots of freed blocks and
+    rejected drafts, later rows of its own request. A mask only adds -inf to
+    their scores, and ``NaN + -inf`` and ``0 × NaN`` are NaN, so one
+    non-finite value there would reach every row. Instead, such slots are not
+    read at all: the gather reads the request's own first slot in their place
+    (masked as before). When a request feeds several rows (a prefill, or a
+    verification whose later drafts may be rejected), a row that *sees* a
+    non-finite key or value of this forward gets NaN, as it would unmasked,
+    and the rows before it stay clean; the step then fails that request only
+    if it uses such a row. All of it is index arithmetic on ``[B, S]``: no
+    pass over the gathered keys and values.
+    """
 
     def __init__(self, inputs: DecoderInputs, cache: KVCacheTensors, window: int | None) -> None:
         self.inputs = inputs
@@ -78,8 +92,11 @@ class PagedAttend:
         self.single = inputs.single_request  # one request: no packing
         self.causal = False
         self.mask: torch.Tensor | None = None
+        self.slots = inputs.gather_slots  # [B, S]
         # Host-decided (see MaskKind), so a compiled forward guards on a flag, not on sizes.
         if window is None and inputs.mask != MaskKind.EXPLICIT:
+            # NONE: one query that sees every gathered key, nothing to hide.
+            # CAUSAL: one request fed from 0: the gathered keys are its new rows, in order.
             self.causal = inputs.mask == MaskKind.CAUSAL
             return
         s = inputs.gather_slots.shape[1]
@@ -89,6 +106,26 @@ class PagedAttend:
         if window is not None:
             mask &= key_pos > q_pos - window
         self.mask = mask.unsqueeze(1)  # [B, 1, Q, S]
+        self.in_context = key_pos <= inputs.q_pos.amax(1, keepdim=True)  # [B, S]
+        # Past its context a request reads its own first slot (written, and masked there).
+        self.slots = torch.where(self.in_context, inputs.gather_slots, inputs.gather_slots[:, :1])
+        # One row per request (decode): its only query sees all its new keys, nothing to hide per row.
+        self.per_row = inputs.q_index.shape[1] > 1
+        self.row_request = inputs.out_index // inputs.q_index.shape[1]  # [T] request of each new row
+
+    def _hide(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The slots to gather ``[B, S]`` (a non-finite new row replaced like
+        padding) and the queries that see one (to be NaN; None: nothing to hide)."""
+        if not (self.causal or self.mask is not None and self.per_row):
+            return self.slots, None
+        # Per new row: NaN and ±inf survive a sum (one fp32 reduction; isfinite().all() is ~15x slower on CPU).
+        ok = (k.sum((1, 2), dtype=torch.float32) + v.sum((1, 2), dtype=torch.float32)).isfinite()  # [T]
+        if self.causal:  # key j is new row j; query i sees rows <= i
+            return torch.where(ok, self.slots, self.slots[:, :1]), (ok.cumprod(0) == 0).view(1, 1, -1, 1)
+        inp = self.inputs
+        seen = self.in_context.index_put((self.row_request, inp.positions), ok)  # [B, S] in context and finite
+        poisoned = (self.mask > seen[:, None, None, :]).any(-1, keepdim=True)  # [B, 1, Q, 1] sees a bad row
+        return torch.where(seen, self.slots, self.slots[:, :1]), poisoned
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         inp = self.inputs
@@ -103,8 +140,9 @@ class PagedAttend:
             self.cache.k[layer].index_copy_(0, inp.slot_mapping, k)
             self.cache.v[layer].index_copy_(0, inp.slot_mapping, v)
         kc, vc = self.cache.k[layer], self.cache.v[layer]  # [slots, Hkv, D]
-        b, n_keys = inp.gather_slots.shape
-        flat = inp.gather_slots.reshape(-1)  # index_select: far faster than advanced indexing on CPU
+        slots, poisoned = self._hide(k, v)
+        b, n_keys = slots.shape
+        flat = slots.reshape(-1)  # index_select: far faster than advanced indexing on CPU
         keys = kc.index_select(0, flat).view(b, n_keys, *kc.shape[1:]).transpose(1, 2)  # [B, Hkv, S, D]
         vals = vc.index_select(0, flat).view(b, n_keys, *vc.shape[1:]).transpose(1, 2)
         if self.single:
@@ -114,6 +152,8 @@ class PagedAttend:
         out = F.scaled_dot_product_attention(
             qp.transpose(1, 2), keys, vals, attn_mask=self.mask, is_causal=self.causal, enable_gqa=True
         )  # [B, H, Q, D]
+        if poisoned is not None:
+            out = out.masked_fill(poisoned, float("nan"))
         b, h, nq, d = out.shape
         out = out.transpose(1, 2).reshape(b * nq, h * d)
         return out if self.single else out.index_select(0, inp.out_index)  # [T, H*D]

@@ -12,7 +12,7 @@ One step, for a ragged batch of requests (see docs/architecture.md)::
               verify    -> output tokens [B, γ+1], num_accepted [B]
               draft_after (if the drafter drafts after verification) -> next step's
                            drafts, from the target's hidden states, into the store
-    host:   read tokens and counts (the one sync), roll both KV caches back
+    host:   read tokens, counts and faults (the one sync), roll both KV caches back
             past rejected tokens, hand the new tokens to the engine
 
 The target module is built by the target decoder class's ``build_module``
@@ -29,11 +29,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specdec.core.context import TextContext
+from specdec.core.context import RequestFailure, TextContext
 from specdec.core.inputs import DecoderInputs
-from specdec.core.pipeline_model import DecoderPipelineModel
+from specdec.core.pipeline_model import DecoderPipelineModel, non_finite
 from specdec.core.state_store import RequestStateStore, StateSpec
-from specdec.sampling import SamplingTensors, probs_from_logits
+from specdec.sampling import SamplingTensors, finite_rows, probs_from_logits
 from specdec.spec.forward_time import forward_time
 from specdec.spec.gamma import CostCurve, GammaPolicyConfig, choose_gamma
 from specdec.spec.metrics import RunStats, SpecCounts
@@ -45,6 +45,30 @@ from specdec.spec.verify import verify_greedy, verify_sampled
 class StepOutput:
     tokens: torch.Tensor  # [B, γ+1] accepted drafts then the recovered/bonus token; -1 past it
     num_accepted: torch.Tensor  # [B]
+    # [B] -1, or where verification met a non-finite number: 2·i for the target's
+    # logits at row i, 2·i + 1 for the draft probabilities of draft i (see _fault).
+    fault: torch.Tensor
+
+
+def _fault(logits: torch.Tensor, draft_probs: torch.Tensor | None, num_accepted: torch.Tensor,
+           num_draft: torch.Tensor) -> torch.Tensor:
+    """The first non-finite number verification *used*, per request: -1, 2·i
+    (target logits at row i) or 2·i + 1 (draft i's probabilities), [B].
+
+    Rows past the accepted drafts are not used: a draft that drove the target
+    non-finite is just rejected (the rows before it never saw it: PagedAttend).
+    A greedy drafter's tokens are only proposals (no probabilities to check).
+    """
+    n = logits.shape[1]  # γ+1
+    row = torch.arange(n, device=logits.device)
+    used = row <= num_accepted.unsqueeze(1)  # [B, γ+1]
+    code = torch.where(used & ~finite_rows(logits), 2 * row, 2 * n)  # [B, γ+1]
+    if draft_probs is not None:
+        g = draft_probs.shape[1]
+        drafted = used[:, :g] & (row[:g] < num_draft.unsqueeze(1))  # [B, γ]
+        code = torch.cat([code, torch.where(drafted & ~finite_rows(draft_probs), 2 * row[:g] + 1, 2 * n)], 1)
+    first = code.amin(1)  # [B]
+    return torch.where(first < 2 * n, first, -1)
 
 
 class DraftAndVerify(nn.Module):
@@ -124,6 +148,7 @@ class DraftAndVerify(nn.Module):
                 seeds=sampling.seeds,
                 positions=positions,
             )
+        fault = _fault(logits, draft_probs, acc, num_draft)
         t3 = time.perf_counter()
         if self.drafts_after_verify and next_gamma > 0:
             assert slots is not None
@@ -143,14 +168,14 @@ class DraftAndVerify(nn.Module):
                 self.state.tensors["draft_probs"][slots, :next_gamma] = nxt.probs
         self.draft_time += (t1 - t0) + (time.perf_counter() - t3)
         self.target_time += t2 - t1
-        return StepOutput(tokens=out, num_accepted=acc)
+        return StepOutput(tokens=out, num_accepted=acc, fault=fault)
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculation settings shared by every proposer (from its ProposerConfig)."""
 
-    num_speculative_tokens: int = 4  # γ (the most per step); 0 is plain decoding
+    num_speculative_tokens: int  # γ (the most per step; the method's ProposerConfig); 0 is plain decoding
     gamma_policy: GammaPolicyConfig = GammaPolicyConfig()  # adaptive: pick γ per step
 
 
@@ -286,8 +311,50 @@ class SpecDecodePipelineModel:
             self._running.pop(ctx.request_id, None)
         self._ready.pop(ctx.request_id, None)  # its drafts go with its slot
         if ctx.slot is not None:
-            self.state.release(ctx.slot)
-            ctx.slot = None
+            slot, ctx.slot = ctx.slot, None  # (cleared first: an interrupt here must not release it twice)
+            self.state.release(slot)
+
+    # -- capacity, per cache (see GenerationPipeline) ---------------------------------
+    def _draft_tokens(self, num_tokens: int) -> int:
+        """What the draft model's cache holds for a request of ``num_tokens`` tokens in a drafting step."""
+        return self.proposer.kv_tokens(num_tokens, self.config.num_speculative_tokens)
+
+    def _draft_cache(self) -> DecoderPipelineModel | None:
+        """The draft model whose cache a request fills (None: model-free, or γ = 0)."""
+        return self.proposer.draft_model if self.config.num_speculative_tokens > 0 else None
+
+    def max_blocks(self, ctx: TextContext) -> dict[str, int]:
+        # The target is fed every token but the last, lookahead included: γ never
+        # runs past max_new_tokens or max_seq_len (gamma_for). The draft model
+        # catches up and drafts the method's γ in every step.
+        last = ctx.max_length(self.max_seq_len) - 1
+        out = {self.target.cache_name: self.target.blocks_for(last)}
+        draft = self._draft_cache()
+        if draft is not None:
+            out[draft.cache_name] = draft.blocks_for(self._draft_tokens(last))
+        return out
+
+    def blocks_needed(self, ctx: TextContext) -> dict[str, int]:
+        n = len(ctx.tokens)
+        out = {self.target.cache_name: self.target.blocks_needed(ctx, n + self.gamma_for(ctx))}
+        draft = self._draft_cache()
+        if draft is not None:
+            out[draft.cache_name] = draft.blocks_needed(ctx, self._draft_tokens(n))
+        return out
+
+    def free_blocks(self, replica: int) -> dict[str, int]:
+        out = {self.target.cache_name: self.target.num_free_blocks()}  # (one replica)
+        draft = self._draft_cache()
+        if draft is not None:
+            out[draft.cache_name] = draft.num_free_blocks()
+        return out
+
+    def total_blocks(self) -> dict[str, int]:
+        out = {self.target.cache_name: self.target.num_blocks}
+        draft = self._draft_cache()
+        if draft is not None:
+            out[draft.cache_name] = draft.num_blocks
+        return out
 
     def _sampling(self, batch: list[TextContext], slots: torch.Tensor | None) -> SamplingTensors:
         temps = [c.sampling.temperature for c in batch]
@@ -314,8 +381,8 @@ class SpecDecodePipelineModel:
         )
 
     @torch.inference_mode()
-    def step(self, batch: list[TextContext], num_new: list[int]) -> list[list[int]]:
-        result: dict[int, list[int]] = {}
+    def step(self, batch: list[TextContext], num_new: list[int]) -> list[list[int] | RequestFailure]:
+        result: dict[int, list[int] | RequestFailure] = {}
         # Partial prefill chunks: the target sees them, nothing is emitted.
         chunks = [(c, n) for c, n in zip(batch, num_new) if n != self.unprocessed(c)]
         spec = [c for c, n in zip(batch, num_new) if n == self.unprocessed(c)]
@@ -355,7 +422,8 @@ class SpecDecodePipelineModel:
         tt, td = self._cost_curves()
         return choose_gamma(accept, max(gammas), tt, td, pol.min_gain)
 
-    def _spec_step(self, batch: list[TextContext], chunks: list[tuple[TextContext, int]]) -> list[list[int]]:
+    def _spec_step(self, batch: list[TextContext],
+                   chunks: list[tuple[TextContext, int]]) -> list[list[int] | RequestFailure]:
         """One draft-and-verify step for ``batch``; runs the prefill ``chunks`` too
         (in the same target forward when nothing is drafted, as plain decoding would)."""
         gammas = [self.gamma_for(c) for c in batch]
@@ -410,10 +478,15 @@ class SpecDecodePipelineModel:
             next_gamma=self.config.num_speculative_tokens if after else 0,
         )
         self.num_target_forwards += 1
-        tokens = out.tokens.tolist()  # the one host sync of the step
-        accepted = out.num_accepted.tolist()
-        new: list[list[int]] = []
-        for c, toks, k, n, ln, g in zip(batch, tokens, accepted, look, lens, gammas):
+        # The one host sync of the step: each row is tokens [γ+1], accepted, fault.
+        rows = torch.cat([out.tokens, out.num_accepted.unsqueeze(1), out.fault.unsqueeze(1)], 1).tolist()
+        new: list[list[int] | RequestFailure] = []
+        for c, row, n, ln, g in zip(batch, rows, look, lens, gammas):
+            toks, k, fault = row[:-2], row[-2], row[-1]
+            if fault >= 0:  # this request only: the engine ends it and frees what it holds
+                what = "the drafter's probabilities" if fault % 2 else "the target's logits"
+                new.append(non_finite(c, what, ln + fault // 2))
+                continue
             counts = self.counts.get(c.request_id)
             if counts is None:
                 counts = self.counts[c.request_id] = SpecCounts()

@@ -181,6 +181,11 @@ class Proposer(ABC):
     def reserve(self, ctx: TextContext, gamma: int) -> None:
         """Makes room (KV blocks …) for drafting ``gamma`` tokens; may raise OutOfBlocks."""
 
+    def kv_tokens(self, num_tokens: int, gamma: int) -> int:
+        """Tokens the ``draft_model``'s cache holds while drafting ``gamma`` tokens for a
+        request of ``num_tokens`` (the engine's capacity planning; 0: no cache)."""
+        return 0
+
     def commit(self, ctx: TextContext, num_committed: int) -> None:
         """After verification: forget state past the request's ``num_committed`` tokens."""
 

@@ -140,8 +140,10 @@ class DraftModelProposer(Proposer):
         return self.pipeline.cache_name
 
     def reserve(self, ctx: TextContext, gamma: int) -> None:
-        # Catch up on every unseen token, then gamma - 1 draft tokens.
-        self.pipeline.reserve(ctx, len(ctx.tokens) + max(gamma - 1, 0))
+        self.pipeline.reserve(ctx, self.kv_tokens(len(ctx.tokens), gamma))
+
+    def kv_tokens(self, num_tokens: int, gamma: int) -> int:
+        return num_tokens + max(gamma - 1, 0)  # catch up on every unseen token, then γ - 1 drafts
 
     def prepare(self, batch: list[TextContext], gamma: int, num_draft: list[int]) -> DraftModelBatch:
         packed = self.pipeline.prepare(batch)  # the catch-up; its KV cache serves every step
