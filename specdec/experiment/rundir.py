@@ -19,12 +19,15 @@ import logging
 import os
 import secrets
 import shlex
-from collections.abc import Mapping
+import signal
+import threading
+from collections.abc import Iterator, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from specdec.conf_schema import ZOO_DIR, Components, RunConfig
+from specdec.data.chat import load_chat_template
 
 log = logging.getLogger(__name__)
 
@@ -106,15 +109,37 @@ class ResultsStore:
         return ids
 
     def append(self, rec: dict[str, Any]) -> None:
-        """Appends one request's record (flushed and fsynced: an interruption loses at most the batch in flight)."""
-        try:
-            with self.path.open("a", encoding="utf-8") as fh:
-                fh.write(json.dumps(rec) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
-        except OSError as e:
-            raise RunDirError(self.path, e) from None
-        self.records[str(rec["id"])] = rec
+        """Appends one request's record (flushed and fsynced: an interruption loses at most the
+        batch in flight). Ctrl-C and SIGTERM wait for it: the line and the record in memory (which
+        the summary and the resume hint count) are saved together."""
+        with _signals_deferred():
+            try:
+                with self.path.open("a", encoding="utf-8") as fh:
+                    fh.write(json.dumps(rec) + "\n")
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            except OSError as e:
+                raise RunDirError(self.path, e) from None
+            self.records[str(rec["id"])] = rec
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Ctrl-C and SIGTERM that arrive inside the block act when it ends. (Python runs signal
+    handlers in the main thread, whichever thread the signal reached, so the handlers are
+    swapped, not the thread's signal mask.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    held = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in held.items():
+            signal.signal(s, handler)
+        for s in caught:
+            signal.raise_signal(s)  # now, through the usual handler
 
 
 def write_text(path: Path, text: str) -> None:
@@ -248,7 +273,8 @@ def hydra_job() -> tuple[str | None, str | None]:
 
 
 def check_checkpoints(comps: Components) -> None:
-    """Every checkpoint directory the run loads exists (else the error names its key)."""
+    """Every checkpoint directory the run loads exists (else the error names its key), and
+    with ``data.chat`` the target has a chat template: checked before the run dir is used."""
     paths = {"target.path": comps.target}
     for name, m in comps.methods.items():
         if getattr(m, "path", None):
@@ -258,3 +284,5 @@ def check_checkpoints(comps: Components) -> None:
             hint = (" (the built-in pair is made by `python experiments/train_zoo.py --out specdec/zoo`)"
                     if Path(p).parent == ZOO_DIR else "")
             raise ExperimentError(f"{key}: checkpoint directory {str(p)!r} does not exist{hint}")
+    if comps.data.chat:
+        load_chat_template(comps.target)  # ChatTemplateError names the file
