@@ -1,16 +1,19 @@
 """The offline API::
 
     from specdec import LLM, SamplingParams
-    llm = LLM("path/to/target", method=DraftModelConfig(path="path/to/draft"))
-    outs = llm.generate(["def fib(n):"], SamplingParams(max_new_tokens=64))
+    llm = LLM("path/to/target", method="ngram", max_seq_len=512)
+    outs = llm.generate(["def fib(n):"], SamplingParams(max_new_tokens=64, stop=["\\n\\n"]))
+    for chunk in llm.stream("def fib(n):"):
+        print(chunk.text, end="", flush=True)
 
 ``method=None`` is plain decoding of the target.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+import difflib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +26,74 @@ from specdec.core.pipeline_model import (
     registered_pipeline_model,
 )
 from specdec.engine import Engine, EngineConfig, GenerationOutput
+from specdec.spec.proposers import ProposerConfig, config_class, registered_proposers
+
+Prompt = str | Sequence[int]
+Method = ProposerConfig | str | Mapping[str, Any] | None
 
 
-def build_pipeline(target: str | Path, method: Any | None, runtime: RuntimeConfig) -> GenerationPipeline:
+def _did_you_mean(key: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def method_config(method: Method) -> ProposerConfig | None:
+    """A drafting method's config from what ``LLM(method=...)`` accepts.
+
+    None (plain decoding) and a config object pass through; a name gives that
+    method's defaults; a dict gives its ``name`` and options. Names and option
+    keys are checked against the proposer registry, so a typo fails here,
+    before any model loads, naming what is wrong.
+    """
+    if method is None or isinstance(method, ProposerConfig):
+        return method
+    if isinstance(method, str):
+        name, options = method, {}
+    elif isinstance(method, Mapping):
+        options = dict(method)
+        name = options.pop("name", None)
+        if not isinstance(name, str):
+            raise ValueError(f"method {method!r} needs a 'name': one of {', '.join(registered_proposers())}")
+    else:
+        raise TypeError(f"method must be None, a drafting method's name, a dict with its 'name' and options, "
+                        f"or its config object, got {type(method).__name__}")
+    try:
+        cls = config_class(name)
+    except KeyError as e:
+        raise ValueError(f"method: {e.args[0]}{_did_you_mean(name, registered_proposers())}") from None
+    known = [f.name for f in fields(cls) if f.init]
+    for key in options:
+        if key not in known:
+            raise TypeError(f"method {name!r} has no option {key!r}{_did_you_mean(key, known)}; "
+                            f"its options: {', '.join(known)}")
+    try:
+        return cls(**options)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"method {name!r}: {e}") from None
+
+
+_RUNTIME_KEYS = tuple(f.name for f in fields(RuntimeConfig))
+_ENGINE_KEYS = tuple(f.name for f in fields(EngineConfig))
+
+
+def split_settings(
+    runtime: RuntimeConfig | None, engine_config: EngineConfig | None, settings: Mapping[str, Any]
+) -> tuple[RuntimeConfig, EngineConfig]:
+    """``runtime`` and ``engine_config`` (defaults when None) with the keyword
+    ``settings`` put into whichever has the field (``max_batch_size``: both);
+    a keyword neither has is a ``TypeError`` naming it."""
+    for key in settings:
+        if key not in _RUNTIME_KEYS and key not in _ENGINE_KEYS:
+            raise TypeError(
+                f"LLM() got an unexpected keyword argument {key!r}{_did_you_mean(key, _RUNTIME_KEYS + _ENGINE_KEYS)}: "
+                f"runtime settings are {', '.join(_RUNTIME_KEYS)}; engine settings are {', '.join(_ENGINE_KEYS)}"
+            )
+    rt = replace(runtime or RuntimeConfig(), **{k: v for k, v in settings.items() if k in _RUNTIME_KEYS})
+    ec = replace(engine_config or EngineConfig(), **{k: v for k, v in settings.items() if k in _ENGINE_KEYS})
+    return rt, ec
+
+
+def build_pipeline(target: str | Path, method: ProposerConfig | None, runtime: RuntimeConfig) -> GenerationPipeline:
     """The engine's pipeline: plain decoding when ``method`` is None, else speculation.
 
     ``method`` is a proposer config (``NgramConfig``, ``DraftModelConfig`` …):
@@ -44,28 +112,64 @@ def build_pipeline(target: str | Path, method: Any | None, runtime: RuntimeConfi
     return SpecDecodePipelineModel(target_pm, proposer, spec, max_seq_len=runtime.max_seq_len)
 
 
-@dataclass
+@dataclass(frozen=True)
+class StreamChunk:
+    """What one engine step added to a streamed request.
+
+    ``token_ids`` and ``text`` are new since the previous chunk (a speculative
+    step may bring several tokens; ``text`` is None without a tokenizer). The
+    last chunk has ``finish_reason`` (and ``error`` when the request failed).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
 class LLM:
-    """A target (and optionally a drafting method) ready to generate."""
+    """A target (and optionally a drafting method) ready to generate.
 
-    target: str | Path
-    method: Any | None = None
-    runtime: RuntimeConfig = RuntimeConfig()
-    engine_config: EngineConfig = EngineConfig()
+    ``method``: None (plain decoding of the target), a registered drafting
+    method's name (``"ngram"``: its defaults), a dict of its ``name`` and
+    options (``{"name": "draft_model", "path": ..., "num_speculative_tokens": 3}``)
+    or its config object (``NgramConfig(max_n=3)``).
 
-    def __post_init__(self) -> None:
-        self.pipeline = build_pipeline(self.target, self.method, self.runtime)
-        cfg = self._target_config()
+    ``settings``: fields of :class:`RuntimeConfig` (``device``, ``dtype``,
+    ``compile``, ``threads``, ``max_seq_len``, ``num_blocks`` …) or of
+    :class:`EngineConfig` (``max_tokens_per_step``, ``seed``) as keywords;
+    ``max_batch_size`` sets both. They override the same fields of ``runtime``
+    / ``engine_config`` when those are given too. ``threads`` sets torch's
+    (process-wide) thread count here.
+    """
+
+    def __init__(
+        self,
+        target: str | Path,
+        method: Method = None,
+        runtime: RuntimeConfig | None = None,
+        engine_config: EngineConfig | None = None,
+        **settings: Any,
+    ) -> None:
+        self.target = target
+        self.method = method_config(method)  # checked before anything loads
+        self.runtime, self.engine_config = split_settings(runtime, engine_config, settings)
+        if self.runtime.threads:
+            import torch
+
+            torch.set_num_threads(self.runtime.threads)
+        self.pipeline = build_pipeline(target, self.method, self.runtime)
+        cfg = self.pipeline.target.config  # type: ignore[attr-defined]
         self.eos_token_ids = tuple(cfg.eos_token_id)
-        tok_file = Path(self.target) / "tokenizer.json"
-        self.tokenizer = load_tokenizer(self.target, cfg.vocab_size) if tok_file.is_file() else None
+        tok_file = Path(target) / "tokenizer.json"
+        self.tokenizer = load_tokenizer(target, cfg.vocab_size) if tok_file.is_file() else None
 
-    def _target_config(self) -> Any:
-        p = self.pipeline
-        return p.target.config  # type: ignore[union-attr]
+    def __repr__(self) -> str:
+        return f"LLM(target={str(self.target)!r}, method={self.method!r})"
 
     def new_engine(self) -> Engine:
-        return Engine(self.pipeline, self.engine_config, eos_token_ids=self.eos_token_ids)
+        return Engine(self.pipeline, self.engine_config, eos_token_ids=self.eos_token_ids, tokenizer=self.tokenizer)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -75,9 +179,28 @@ class LLM:
     def decode(self, ids: Sequence[int]) -> str | None:
         return self.tokenizer.decode(list(ids)) if self.tokenizer is not None else None
 
+    def _add(self, engine: Engine, prompt: Prompt, sampling: SamplingParams, rid: str,
+             detokenize: bool = False) -> TextContext:
+        """Queues one prompt; text without a tokenizer rejects this request only."""
+        try:
+            ids = self.encode(prompt) if isinstance(prompt, str) else prompt
+        except ValueError as e:
+            ctx = engine.add_request([], sampling, request_id=rid)
+            ctx.error = f"request {rid!r}: {e}"
+            return ctx
+        return engine.add_request(ids, sampling, request_id=rid, detokenize=detokenize)
+
+    def _text(self, engine: Engine, ctx: TextContext) -> str | None:
+        """The output text: as followed while generating (cut at a stop string), else decoded whole."""
+        followed = engine.output_text(ctx)
+        if followed is None:
+            return self.decode(ctx.generated)
+        followed.close()
+        return followed.text
+
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: Prompt | Sequence[Prompt],
         sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
     ) -> list[GenerationOutput]:
         """Generates for every prompt (text or token ids); outputs in prompt order.
@@ -91,7 +214,7 @@ class LLM:
         serves the next call as a fresh one would.
         """
         if isinstance(prompts, (str, bytes)):
-            prompts = [prompts]
+            prompts = [prompts]  # type: ignore[list-item]
         if not isinstance(prompts, Iterable):
             raise TypeError(f"prompts must be a list of prompts (text or token ids), got {type(prompts).__name__}")
         prompts = list(prompts)
@@ -105,16 +228,40 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         engine = self.new_engine()
-        ctxs: list[TextContext] = []
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            rid = f"req-{i}"
-            try:
-                ids = self.encode(p) if isinstance(p, str) else p
-            except ValueError as e:  # text without a tokenizer: reject this request only
-                ctx = engine.add_request([], sp, request_id=rid)
-                ctx.error = f"request {rid!r}: {e}"
-            else:
-                ctx = engine.add_request(ids, sp, request_id=rid)
-            ctxs.append(ctx)
+        ctxs = [self._add(engine, p, sp, f"req-{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
         engine.run()
-        return [GenerationOutput.from_context(c, self.decode(c.generated)) for c in ctxs]
+        return [GenerationOutput.from_context(c, self._text(engine, c)) for c in ctxs]
+
+    def stream(self, prompt: Prompt, sampling: SamplingParams = SamplingParams()) -> Iterator[StreamChunk]:
+        """Generates for one prompt (text or token ids), yielding tokens as they are accepted.
+
+        Each chunk holds the token ids and text one step added (a speculative
+        step: all its accepted tokens); text is held back while it ends in an
+        incomplete UTF-8 character or may be the start of a stop string, so
+        the chunks concatenate to what :meth:`generate` returns for the same
+        request. The last chunk carries ``finish_reason``; a bad request gives
+        that one chunk, with ``error``. Leaving the loop early (``break``,
+        an exception, closing the generator) aborts the request and frees its
+        KV blocks and state slot; a generator kept unclosed holds them until
+        it is garbage-collected (``contextlib.closing`` makes that explicit).
+        """
+        engine = self.new_engine()
+        ctx = self._add(engine, prompt, sampling, "req-0", detokenize=True)
+        text = engine.output_text(ctx)
+        sent = 0  # token ids given out (no tokenizer: straight from ctx)
+        try:
+            while True:
+                if not ctx.done:
+                    engine.step()
+                if text is not None:
+                    ids, piece = text.take(final=ctx.done)
+                else:
+                    ids, piece, sent = ctx.generated[sent:], None, ctx.num_generated
+                if ctx.done:
+                    yield StreamChunk(ctx.request_id, ids, piece, ctx.finish_reason, ctx.error)
+                    return
+                if ids or piece:
+                    yield StreamChunk(ctx.request_id, ids, piece)
+        finally:
+            if not ctx.done:
+                engine.abort(ctx.request_id)

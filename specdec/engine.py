@@ -6,7 +6,8 @@ them and headroom for the running ones, gives each running request its tokens
 for this step within a token budget (whole decode steps first, then prefill
 chunks), reserves KV blocks — preempting the newest request on the replica
 when blocks run out, to recompute it later — runs one pipeline step and
-appends the new tokens, stopping each request exactly at EOS, a stop id or
+appends the new tokens, stopping each request exactly at EOS, a stop id,
+a stop string (with a tokenizer: the output text ends before it) or
 ``max_new_tokens``.
 
 Faults stay with their request: a bad request is rejected when added (its
@@ -24,12 +25,14 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from specdec.core.context import RequestError, RequestFailure, SamplingParams, Status, TextContext
 from specdec.core.kv_cache import OutOfBlocks
 from specdec.core.pipeline_model import GenerationPipeline
+from specdec.detokenize import RequestText
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,9 @@ class Engine:
     """Continuous batching: requests join and leave the running batch.
 
     ``clock``: the host clock of every timestamp and deadline (tests pass their own).
+    ``tokenizer``: decodes the output of requests with stop strings (and of those
+    added with ``detokenize=True``) as it grows; without one, a request with
+    stop strings is rejected.
     """
 
     def __init__(
@@ -98,12 +104,15 @@ class Engine:
         eos_token_ids: Sequence[int] = (),
         num_replicas: int = 1,
         clock: Callable[[], float] = time.perf_counter,
+        tokenizer: Any | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_replicas = num_replicas
         self.clock = clock
+        self.tokenizer = tokenizer
+        self._texts: dict[TextContext, RequestText] = {}  # requests whose text is followed
         self.waiting: deque[TextContext] = deque()
         self.running: list[TextContext] = []
         self.finished: list[TextContext] = []
@@ -116,13 +125,15 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------
     def add_request(
-        self, prompt: Sequence[int], sampling: SamplingParams = SamplingParams(), request_id: str | None = None
+        self, prompt: Sequence[int], sampling: SamplingParams = SamplingParams(), request_id: str | None = None,
+        *, detokenize: bool = False,
     ) -> TextContext:
         """Queues a request; a bad one is rejected (``status == REJECTED``, its
         ``error`` names it and what is wrong), never raised: a prompt that is not
-        token ids, a bad sampling value, an id already queued or running, or a
-        request too big for the whole KV cache. ``sampling.deadline_s`` counts
-        from here."""
+        token ids, a bad sampling value, stop strings without a tokenizer, an id
+        already queued or running, or a request too big for the whole KV cache.
+        ``sampling.deadline_s`` counts from here. ``detokenize``: follow its
+        text as it grows (:meth:`output_text`) even without stop strings (streaming)."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         try:
             tokens, bad_prompt = _token_ids(prompt), None
@@ -143,6 +154,8 @@ class Engine:
         ctx.t_added = self.clock()
         ctx.seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
         ctx.replica = next(self._next_replica) % self.num_replicas
+        if self.tokenizer is not None and (detokenize or sampling.stop_strings):
+            self._texts[ctx] = RequestText(self.tokenizer, sampling.stop_strings)
         self.waiting.append(ctx)
         self._live[rid] = ctx
         return ctx
@@ -155,6 +168,9 @@ class Engine:
             ctx.sampling.validate()
         except ValueError as e:
             raise RequestError(f"request {rid!r}: {e}") from None
+        if ctx.sampling.stop_strings and self.tokenizer is None:
+            raise RequestError(f"request {rid!r}: sampling.stop {ctx.sampling.stop!r} needs the model's tokenizer "
+                               "to find stop strings in the text, and there is none (no tokenizer.json)")
         if rid in self._live:
             raise RequestError(f"request {rid!r}: a request with this id is already queued or running")
         if not ctx.tokens:
@@ -178,6 +194,10 @@ class Engine:
                     f"{max_seq}) with the step's lookahead need {need} KV blocks of the {name!r} cache, "
                     f"which has {total[name]}; raise runtime.num_blocks or lower max_new_tokens"
                 )
+
+    def output_text(self, ctx: TextContext) -> RequestText | None:
+        """The output text the engine follows for ``ctx`` (None: it follows none)."""
+        return self._texts.get(ctx)
 
     def abort(self, request_id: str) -> bool:
         """Ends a queued or running request now (finish_reason ``"abort"``, its
@@ -356,10 +376,13 @@ class Engine:
                 continue
             if not toks:
                 continue
-            kept = ctx.append(toks)
+            before = ctx.num_generated
+            ctx.append(toks)
+            self._stop_at_text(ctx)
+            added = ctx.num_generated - before  # (< 0 when a stop string began in an earlier step's tokens)
             if ctx.t_first_token is None:
-                ctx.t_first_token, ctx.num_first_tokens = now, len(kept)
-            self.stats.tokens_generated += len(kept)
+                ctx.t_first_token, ctx.num_first_tokens = now, added
+            self.stats.tokens_generated += added
             if not ctx.done and len(ctx.tokens) >= self.pipeline.max_seq_len:
                 ctx.finish("length")
             if ctx.done:
@@ -368,6 +391,16 @@ class Engine:
         for ctx in done:
             self._retire(ctx)
         return ended + done
+
+    def _stop_at_text(self, ctx: TextContext) -> None:
+        """Ends ``ctx`` at a stop string in its new text: its tokens are cut to
+        those whose text precedes it (also when EOS or the length limit came in
+        the same step, later in the text)."""
+        text = self._texts.get(ctx)
+        keep = text.update(ctx.generated) if text is not None else None
+        if keep is not None:
+            del ctx.tokens[ctx.prompt_len + keep :]
+            ctx.finish("stop")
 
     def run(self) -> list[TextContext]:
         """Steps until every request has ended; returns all ended requests.

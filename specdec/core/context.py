@@ -43,6 +43,12 @@ class SamplingParams:
     ``deadline_s``: seconds after the request is queued past which the engine
     ends it (finish_reason ``"deadline"``, its tokens so far kept), checked
     between steps; None: no deadline.
+
+    ``stop``: strings (or one string) that end the output where the first of
+    them appears in its text (finish_reason ``"stop"``): the text ends just
+    before it, the token ids are those whose text precedes it (see
+    :class:`specdec.detokenize.RequestText` for a token the stop starts
+    inside). Needs the model's tokenizer.
     """
 
     temperature: float = 0.0
@@ -53,6 +59,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     deadline_s: float | None = None
+    stop: tuple[str, ...] = ()
 
     def validate(self) -> None:
         """Raises ``ValueError`` naming the first bad field. Checked here, at
@@ -72,10 +79,19 @@ class SamplingParams:
             ("ignore_eos", isinstance(self.ignore_eos, bool), "True or False"),
             ("deadline_s", self.deadline_s is None or (_is_finite(self.deadline_s) and self.deadline_s > 0),
              "a finite number of seconds > 0 or None"),
+            ("stop", (isinstance(self.stop, str) and self.stop != "")
+             or (isinstance(self.stop, Sequence) and not isinstance(self.stop, (str, bytes))
+                 and all(isinstance(s, str) and s != "" for s in self.stop)),
+             "a non-empty string or a list or tuple of them"),
         )
         for name, ok, want in checks:
             if not ok:
                 raise ValueError(f"sampling.{name} must be {want}, got {getattr(self, name)!r}")
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """``stop`` as a tuple (one string is one stop string)."""
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     @property
     def greedy(self) -> bool:
