@@ -1,13 +1,15 @@
 """Loading prompts from JSONL.
 
 One JSON object per line. The text is taken from ``text_field``; when that
-value is a list (Spec-Bench's ``question.jsonl``: ``{"question_id": 81,
-"category": "writing", "turns": ["...", "..."]}``) element ``turn`` is taken;
-a list of ints is taken as token ids. ``"auto"`` fields try the usual names:
+value is a list of strings (Spec-Bench's and MT-bench's ``question.jsonl``:
+``{"question_id": 81, "category": "writing", "turns": ["...", "..."]}``)
+element ``turn`` is taken, or, with ``turn: null``, every turn (a multi-turn
+conversation: see :class:`DataConfig`); a list of ints is taken as token ids.
+``"auto"`` fields try the usual names:
 
 - text: ``prompt``, ``text``, ``turns``, ``question``, ``instruction``, ``input``;
 - id: ``id``, ``question_id``, ``request_id``, else the line number;
-- source: ``source``, ``category`` (optional).
+- source: ``source``, ``category`` (optional; the run reports figures per source).
 
 Ids must be unique: results are keyed (and resumed) by them.
 """
@@ -30,18 +32,30 @@ class PromptDataError(ValueError):
 
 @dataclass(frozen=True)
 class DataConfig:
+    """``data/``: the prompt file and how its prompts become requests."""
+
     path: str
     text_field: str = "auto"
     id_field: str = "auto"
-    source_field: str = "auto"
-    turn: int = 0
+    # The prompt's category (summary.json's by_category, the per-category table); null: none.
+    source_field: str | None = "auto"
+    # A list-valued text field (Spec-Bench / MT-bench "turns"): which turn is the prompt.
+    # An int: that one element, alone. null: every turn, in order, as one conversation: turn i+1
+    # is generated after the model's own answer to turn i (each pipeline its own answers), with
+    # the chat template as alternating user / assistant messages, without one as the plain
+    # concatenation turn 1 + answer 1 + turn 2 …; results.jsonl keeps each turn's figures
+    # (methods.<name>.turns, plain.turns) and the totals over all turns.
+    turn: int | None = 0
+    # Render each prompt through the target's chat template (tokenizer_config.json's
+    # chat_template, or chat_template.jinja) as a user message, with the generation prompt.
+    chat: bool = False
     limit: int | None = None
-    max_prompt_tokens: int | None = None
+    max_prompt_tokens: int | None = None  # keep each prompt's last N tokens (each turn's, in a conversation)
 
     def __post_init__(self) -> None:
         if not self.path:
             raise ValueError("data.path must name a JSONL file of prompts")
-        if self.turn < 0:
+        if self.turn is not None and self.turn < 0:
             raise ValueError(f"data.turn must be >= 0, got {self.turn}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"data.limit must be >= 1 or null, got {self.limit}")
@@ -52,9 +66,10 @@ class DataConfig:
 @dataclass(frozen=True)
 class Prompt:
     id: str
-    text: str | None  # None when the file gives token ids
+    text: str | None  # the (first) user turn; None when the file gives token ids
     token_ids: tuple[int, ...] | None = None
     source: str | None = None
+    turns: tuple[str, ...] = ()  # every user turn of a conversation (data.turn=null, 2 or more turns)
 
 
 def _pick(obj: dict[str, Any], field: str, auto: tuple[str, ...]) -> tuple[str | None, Any]:
@@ -75,16 +90,25 @@ def _parse_line(obj: Any, cfg: DataConfig, where: str, lineno: int) -> Prompt:
         raise PromptDataError(f"{where}: no text field {want!r} (data.text_field); keys: {sorted(obj)}")
     text: str | None = None
     ids: tuple[int, ...] | None = None
+    turns: tuple[str, ...] = ()
     if isinstance(value, str):
         text = value
     elif isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         ids = tuple(value)
     elif isinstance(value, list):
-        if cfg.turn >= len(value):
+        picked = range(len(value)) if cfg.turn is None else [cfg.turn]
+        if not value:
+            raise PromptDataError(f"{where}: field {key!r} is an empty list")
+        if cfg.turn is not None and cfg.turn >= len(value):
             raise PromptDataError(f"{where}: field {key!r} has {len(value)} turns, data.turn is {cfg.turn}")
-        if not isinstance(value[cfg.turn], str):
-            raise PromptDataError(f"{where}: {key}[{cfg.turn}] is not a string")
-        text = value[cfg.turn]
+        for i in picked:
+            if not isinstance(value[i], str):
+                raise PromptDataError(f"{where}: {key}[{i}] is not a string")
+            if value[i] == "":
+                raise PromptDataError(f"{where}: empty prompt in {key}[{i}]")
+        text = value[picked[0]]
+        if len(picked) > 1:
+            turns = tuple(value)
     else:
         raise PromptDataError(f"{where}: field {key!r} must be a string, a list of strings or token ids")
     if text == "":
@@ -94,8 +118,9 @@ def _parse_line(obj: Any, cfg: DataConfig, where: str, lineno: int) -> Prompt:
         if cfg.id_field != "auto":
             raise PromptDataError(f"{where}: no id field {cfg.id_field!r} (data.id_field)")
         rid = f"line-{lineno}"
-    _, source = _pick(obj, cfg.source_field, AUTO_SOURCE)
-    return Prompt(id=str(rid), text=text, token_ids=ids, source=None if source is None else str(source))
+    _, source = (None, None) if cfg.source_field is None else _pick(obj, cfg.source_field, AUTO_SOURCE)
+    return Prompt(id=str(rid), text=text, token_ids=ids, source=None if source is None else str(source),
+                  turns=turns)
 
 
 def load_prompts(cfg: DataConfig) -> list[Prompt]:

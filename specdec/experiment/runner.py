@@ -3,6 +3,16 @@
 Each batch runs once per pipeline, interleaved by :func:`specdec.measure.interleave`
 (the order rotated batch to batch, so no pipeline always goes first), and
 comes back as one record per request (the layout of ``results.jsonl``).
+
+Prompts go through the target's chat template with ``data.chat=true``
+(:mod:`specdec.data.chat`). A conversation (``data.turn=null``) runs turn by
+turn: each pipeline's answer to turn i, decoded, goes into its own prompt for
+turn i+1, so plain decoding and every method each continue their own
+conversation (greedy: the same one). Its record keeps every turn's figures in
+``turns`` (with its ``prompt_len``, and when outputs are saved its ``prompt``
+text and ``output_ids``) and, in the entry itself, the totals over the turns:
+tokens, times, speculation counts; ``equal_to_plain`` and ``first_mismatch``
+compare all turns' outputs, concatenated.
 """
 
 from __future__ import annotations
@@ -10,15 +20,17 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Any
 
 from specdec.api import LLM
 from specdec.conf_schema import Components
 from specdec.core.context import SamplingParams, TextContext
+from specdec.data.chat import ChatTemplate, conversation_prompt, load_chat_template
 from specdec.data.prompts import Prompt
 from specdec.experiment.rundir import PLAIN, ExperimentError
+from specdec.experiment.summary import Repetition, merge_counts
 from specdec.measure import ForwardTimes, Run, first_mismatch, interleave, limit_forward_times, warm_up
 from specdec.spec.metrics import SpecCounts
 
@@ -28,8 +40,13 @@ Item = tuple[str, list[int], SamplingParams]  # request id, prompt ids, sampling
 @dataclass
 class Request:
     prompt: Prompt
-    ids: list[int]
+    ids: list[int]  # the prompt of the first (or only) turn
     sampling: SamplingParams
+    text: str | None = None  # the text ``ids`` encode (rendered through the chat template); None: token ids
+
+    @property
+    def num_turns(self) -> int:
+        return max(1, len(self.prompt.turns))
 
 
 def request_seed(engine_seed: int, request_id: str) -> int:
@@ -58,7 +75,7 @@ def _entry(ctx: TextContext, wall: float, n: int) -> dict[str, Any]:
     """A request's figures in one pipeline's pass of ``n`` requests that took ``wall`` seconds."""
     gen = list(ctx.generated) if ctx.error is None else []
     lat = ctx.t_finished - ctx.t_added if ctx.t_finished is not None and ctx.t_added is not None else None
-    return {
+    e = {
         "output_len": len(gen),
         "finish_reason": ctx.finish_reason,
         "error": ctx.error,
@@ -66,6 +83,43 @@ def _entry(ctx: TextContext, wall: float, n: int) -> dict[str, Any]:
         "time_share_s": wall / n,
         "tokens_per_s": len(gen) / lat if lat else None,
     }
+    if ctx.error is None:
+        e["repetition"] = asdict(Repetition.of(gen))
+    return e
+
+
+def _total(turns: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One pipeline's entry for a conversation: the totals over its ``turns`` (kept under ``turns``)."""
+    out_len = sum(t["output_len"] for t in turns)
+    lats = [t["time_s"] for t in turns]
+    lat = None if None in lats else sum(lats)
+    err = next((f"turn {i + 1}: {t['error']}" for i, t in enumerate(turns) if t["error"]), None)
+    e: dict[str, Any] = {
+        "output_len": out_len,
+        "finish_reason": turns[-1]["finish_reason"],
+        "error": err,
+        "time_s": lat,
+        "time_share_s": sum(t["time_share_s"] for t in turns),
+        "tokens_per_s": out_len / lat if lat else None,
+    }
+    if err is None:
+        e["repetition"] = asdict(sum((Repetition(**t["repetition"]) for t in turns), Repetition()))
+    if "gamma" in turns[0]:
+        e["gamma"] = turns[0]["gamma"]
+        if all("steps" in t for t in turns):
+            e.update(_counts_dict(merge_counts(turns)[0]))
+        e["draft_time_s"] = sum(t["draft_time_s"] for t in turns)
+        e["target_time_s"] = sum(t["target_time_s"] for t in turns)
+    e["turns"] = list(turns)
+    return e
+
+
+def _compare(e: dict[str, Any], out: Sequence[int], plain: dict[str, Any], plain_out: Sequence[int]) -> None:
+    """Sets ``e``'s ``equal_to_plain`` and ``first_mismatch`` (None: not compared, a side failed)."""
+    compared = not (e["error"] or plain["error"])  # a failed side has no output to compare
+    mismatch = first_mismatch(out, plain_out) if compared else None
+    e["equal_to_plain"] = mismatch is None if compared else None
+    e["first_mismatch"] = mismatch
 
 
 class Runner:
@@ -74,6 +128,9 @@ class Runner:
     def __init__(self, comps: Components, *, save_outputs: bool) -> None:
         self.comps = comps
         self.save_outputs = save_outputs
+        self.max_prompt_tokens: int | None = comps.data.max_prompt_tokens
+        # before any model loads: a missing template fails at once, naming the file
+        self.chat: ChatTemplate | None = load_chat_template(comps.target) if comps.data.chat else None
         self.llms: dict[str, LLM] = {}
         for name, mcfg in {PLAIN: None, **comps.methods}.items():
             try:
@@ -88,23 +145,40 @@ class Runner:
         return self.llms[PLAIN]
 
     def encode(self, prompts: Sequence[Prompt], max_prompt_tokens: int | None) -> list[Request]:
+        """The requests of ``prompts``: their (first turn's) prompt ids and sampling."""
+        self.max_prompt_tokens = max_prompt_tokens
         out = []
         for p in prompts:
             if p.token_ids is not None:
-                ids = list(p.token_ids)
+                if self.chat is not None:
+                    raise ExperimentError(f"prompt {p.id!r} is token ids: data.chat=true renders text prompts "
+                                          "through the chat template; give text, or set data.chat=false")
+                text, ids = None, list(p.token_ids)[-max_prompt_tokens:] if max_prompt_tokens else list(p.token_ids)
             else:
-                if self.plain.tokenizer is None:
-                    raise ExperimentError(
-                        f"target.path {str(self.comps.target)!r} has no tokenizer.json: prompt {p.id!r} is text; "
-                        "give token ids in the prompt file instead"
-                    )
-                ids = self.plain.encode(p.text)
-            if max_prompt_tokens is not None:
-                ids = ids[-max_prompt_tokens:]
+                text = self.prompt_text(p, [])
+                ids = self.prompt_ids(p, text)
             sp = self.comps.sampling
             seed = sp.seed if sp.seed is not None else request_seed(self.comps.engine.seed, p.id)
-            out.append(Request(p, ids, replace(sp, seed=seed)))
+            out.append(Request(p, ids, replace(sp, seed=seed), text))
         return out
+
+    def prompt_text(self, p: Prompt, answers: Sequence[str]) -> str:
+        """The text of the prompt for turn ``len(answers)`` of ``p``, after those answers."""
+        assert p.text is not None
+        turns = p.turns or (p.text,)
+        return conversation_prompt(turns[: len(answers) + 1], answers, self.chat)
+
+    def prompt_ids(self, p: Prompt, text: str) -> list[int]:
+        """``p``'s prompt ``text`` encoded (a rendered chat template brings its own special tokens), the
+        last ``max_prompt_tokens`` kept."""
+        tok = self.plain.tokenizer
+        if tok is None:
+            raise ExperimentError(
+                f"target.path {str(self.comps.target)!r} has no tokenizer.json: prompt {p.id!r} is text; "
+                "give token ids in the prompt file instead"
+            )
+        ids = list(tok.encode(text, add_special_tokens=self.chat is None).ids)
+        return ids[-self.max_prompt_tokens:] if self.max_prompt_tokens else ids
 
     def warmup(self, reqs: Sequence[Request], n: int, tokens: int) -> None:
         """``n`` untimed requests of ``tokens`` new tokens through every pipeline."""
@@ -115,53 +189,102 @@ class Runner:
         warm_up({name: Run(partial(_generate, llm, items)) for name, llm in self.llms.items()})
 
     def run_batch(self, reqs: Sequence[Request], batch_index: int) -> list[dict[str, Any]]:
-        """One batch through every pipeline, interleaved; one record per request."""
-        items = [(r.prompt.id, r.ids, r.sampling) for r in reqs]
-        runs = {name: Run(partial(_generate, llm, items), before=llm.pipeline.reset_stats)
-                for name, llm in self.llms.items()}
-        timing = interleave(runs, baseline=PLAIN, repeats=1, warmup=0, offset=batch_index)
-        n = len(reqs)
-        entries: dict[str, dict[str, dict[str, Any]]] = {}
-        ids: dict[str, dict[str, list[int]]] = {}
-        for name, llm in self.llms.items():
-            wall = timing.times[name][0]
-            ctxs = {c.request_id: c for c in timing.last(name)}
-            entries[name] = {rid: _entry(c, wall, n) for rid, c in ctxs.items()}
-            ids[name] = {rid: list(c.generated) if c.error is None else [] for rid, c in ctxs.items()}
-            if name == PLAIN:
-                continue
-            stats = llm.pipeline.stats()
-            for rid, e in entries[name].items():
-                e["gamma"] = self.gammas[name]
-                c = stats.per_request.get(rid)
-                if c is not None:
-                    e.update(_counts_dict(c))
-                e["draft_time_s"] = stats.draft_time_s / n
-                e["target_time_s"] = stats.target_time_s / n
+        """One batch through every pipeline, interleaved, turn by turn; one record per request."""
+        by_id = {r.prompt.id: r for r in reqs}
+        # per pipeline and request: each turn's entry, output ids and prompt (its own conversation)
+        turns: dict[str, dict[str, list[dict[str, Any]]]] = {name: {rid: [] for rid in by_id} for name in self.llms}
+        outs: dict[str, dict[str, list[list[int]]]] = {name: {rid: [] for rid in by_id} for name in self.llms}
+        prompts: dict[str, dict[str, tuple[str | None, list[int]]]] = {
+            name: {rid: (r.text, r.ids) for rid, r in by_id.items()} for name in self.llms}
+        ended: dict[str, set[str]] = {name: set() for name in self.llms}  # a failed turn ends its conversation
+        for t in range(max(r.num_turns for r in reqs)):
+            items = {name: [(rid, prompts[name][rid][1], r.sampling) for rid, r in by_id.items()
+                            if r.num_turns > t and rid not in ended[name]]
+                     for name in self.llms}
+            if not any(items.values()):
+                break
+            self._run_turn(items, batch_index + t, turns, outs)
+            for name, its in items.items():
+                for rid, ids, _ in its:
+                    e, r = turns[name][rid][t], by_id[rid]
+                    if e["error"]:
+                        ended[name].add(rid)
+                    if r.num_turns == 1:
+                        continue
+                    e["prompt_len"] = len(ids)
+                    if self.save_outputs:
+                        e["prompt"] = prompts[name][rid][0]
+                    if not e["error"] and t + 1 < r.num_turns:
+                        answers = [self.plain.decode(o) or "" for o in outs[name][rid]]  # up to this turn's
+                        text = self.prompt_text(r.prompt, answers)
+                        prompts[name][rid] = text, self.prompt_ids(r.prompt, text)
         now = time.time()
-        recs = []
-        for r in reqs:
-            rid = r.prompt.id
-            plain, plain_ids = entries[PLAIN][rid], ids[PLAIN][rid]
-            rec: dict[str, Any] = {
-                "id": rid, "source": r.prompt.source, "prompt_len": len(r.ids), "seed": r.sampling.seed,
-                "batch": batch_index, "batch_size": n, "completed_at": now,
-                PLAIN: plain, "methods": {},
-            }
+        return [self._record(r, turns, outs, batch_index, len(reqs), now) for r in reqs]
+
+    def _run_turn(
+        self,
+        items: dict[str, list[Item]],
+        offset: int,
+        turns: dict[str, dict[str, list[dict[str, Any]]]],
+        outs: dict[str, dict[str, list[list[int]]]],
+    ) -> None:
+        """One turn: each pipeline's ``items`` (interleaved, timed); appends each request's entry and output."""
+        runs = {name: Run(partial(_generate, llm, items[name]), before=llm.pipeline.reset_stats)
+                for name, llm in self.llms.items()}
+        timing = interleave(runs, baseline=PLAIN, repeats=1, warmup=0, offset=offset)
+        for name, llm in self.llms.items():
+            n = len(items[name])
+            if not n:
+                continue
+            wall = timing.times[name][0]
+            stats = llm.pipeline.stats() if name != PLAIN else None
+            for c in timing.last(name):
+                e = _entry(c, wall, n)
+                if stats is not None:
+                    e["gamma"] = self.gammas[name]
+                    counts = stats.per_request.get(c.request_id)
+                    if counts is not None:
+                        e.update(_counts_dict(counts))
+                    e["draft_time_s"] = stats.draft_time_s / n
+                    e["target_time_s"] = stats.target_time_s / n
+                turns[name][c.request_id].append(e)
+                outs[name][c.request_id].append(list(c.generated) if c.error is None else [])
+
+    def _record(
+        self,
+        r: Request,
+        turns: dict[str, dict[str, list[dict[str, Any]]]],
+        outs: dict[str, dict[str, list[list[int]]]],
+        batch_index: int,
+        batch_size: int,
+        now: float,
+    ) -> dict[str, Any]:
+        """The ``results.jsonl`` line of ``r``: plain's and each method's entry (totals over turns)."""
+        rid, multi = r.prompt.id, r.num_turns > 1
+
+        def entry(name: str) -> tuple[dict[str, Any], list[int]]:
+            ts, os_ = turns[name][rid], outs[name][rid]
             if self.save_outputs:
-                plain["output_ids"] = plain_ids
-                plain["text"] = self.plain.decode(plain_ids)
-            for name in self.comps.methods:
-                e, out = entries[name][rid], ids[name][rid]
-                compared = not (e["error"] or plain["error"])  # a failed side has no output to compare
-                mismatch = first_mismatch(out, plain_ids) if compared else None
-                e["equal_to_plain"] = mismatch is None if compared else None
-                e["first_mismatch"] = mismatch
-                if self.save_outputs:
-                    e["output_ids"] = out
-                rec["methods"][name] = e
-            recs.append(rec)
-        return recs
+                for e, o in zip(ts, os_):
+                    e["output_ids"] = o
+                    if name == PLAIN:
+                        e["text"] = self.plain.decode(o)
+            return (_total(ts) if multi else ts[0]), [tok for o in os_ for tok in o]
+
+        plain, plain_ids = entry(PLAIN)
+        rec: dict[str, Any] = {
+            "id": rid, "source": r.prompt.source, "prompt_len": len(r.ids), "num_turns": r.num_turns,
+            "seed": r.sampling.seed, "batch": batch_index, "batch_size": batch_size, "completed_at": now,
+            PLAIN: plain, "methods": {},
+        }
+        for name in self.comps.methods:
+            e, out = entry(name)
+            if multi:
+                for te, o, pe, po in zip(e["turns"], outs[name][rid], plain["turns"], outs[PLAIN][rid]):
+                    _compare(te, o, pe, po)
+            _compare(e, out, plain, plain_ids)
+            rec["methods"][name] = e
+        return rec
 
     def forward_times(self, ctx_len: int) -> dict[str, ForwardTimes]:
         """Bare forward times of each method's models at ``ctx_len``, for its analytic limit."""

@@ -2,14 +2,24 @@
 
 Figures (τ, α, per-position acceptance) are defined in
 :mod:`specdec.spec.metrics`; the analytic limit and efficiency in
-:mod:`specdec.measure`. Here speedup = tokens/s with speculation ÷ tokens/s
-of plain decoding over the same requests, batches and run; tokens/s of a
-pipeline = its output tokens ÷ the summed wall time of its batches.
+:mod:`specdec.measure`; repetition in :func:`repetition`. Here speedup =
+tokens/s with speculation ÷ tokens/s of plain decoding over the same
+requests, batches and run; tokens/s of a pipeline = its output tokens ÷ the
+summed wall time of its batches. A multi-turn request counts once, with the
+tokens and time of all its turns.
+
+Per category (a prompt's ``source``: Spec-Bench's ``category``), the same
+figures over that category's requests: ``plain.by_category.<cat>`` =
+:data:`PLAIN_CATEGORY_KEYS`, ``methods.<name>.by_category.<cat>`` =
+:data:`CATEGORY_KEYS`; present when any request has a category (requests
+without one count under :data:`NO_CATEGORY`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from specdec.experiment.rundir import PLAIN, failed
@@ -17,7 +27,65 @@ from specdec.measure import ForwardTimes, efficiency
 from specdec.spec.metrics import SpecCounts
 
 
-def _counts_from(entries: Sequence[Mapping[str, Any]]) -> tuple[SpecCounts, bool]:
+CATEGORY_KEYS = ("requests", "tokens_per_s", "plain_tokens_per_s", "speedup", "tau", "alpha", "outputs_equal",
+                 "errors")
+PLAIN_CATEGORY_KEYS = ("requests", "tokens", "tokens_per_s", "errors")
+NO_CATEGORY = "uncategorized"
+
+
+def repetition(outputs: Iterable[Sequence[int]]) -> dict[str, float | None]:
+    """How repetitive generated outputs (token id lists) are: ``{"loop_share", "distinct_4"}``.
+
+    Degenerate loops (one line over and over) are easy to draft, so they raise
+    τ and speedup while the text gets worse; a run reports them beside the
+    speed figures (a multi-turn request's turns are separate outputs):
+
+    - ``loop_share``: the share of outputs in which some 4-gram occurs at least
+      4 times (occurrences may overlap); None over no output;
+    - ``distinct_4``: distinct 4-grams / 4-grams, each output's counted within
+      that output, summed over outputs (1.0: no 4-gram repeats inside any
+      output; an output shorter than 4 tokens has none); None without a 4-gram.
+
+    Runs keep :class:`Repetition` counts per output, which add up over
+    requests, turns and resumed runs, and take the figures from their sum.
+    """
+    return sum((Repetition.of(o) for o in outputs), Repetition()).figures()
+
+
+@dataclass
+class Repetition:
+    """The counts behind :func:`repetition`: per output, and summed over outputs."""
+
+    outputs: int = 0
+    looping: int = 0  # outputs with some N-gram occurring >= LOOP_COUNT times
+    ngrams: int = 0
+    distinct: int = 0  # distinct N-grams, each output's own
+
+    N = 4
+    LOOP_COUNT = 4
+
+    @classmethod
+    def of(cls, tokens: Sequence[int]) -> Repetition:
+        """The counts of one output."""
+        grams = Counter(tuple(tokens[i : i + cls.N]) for i in range(len(tokens) - cls.N + 1))
+        looping = int(bool(grams) and max(grams.values()) >= cls.LOOP_COUNT)
+        return cls(outputs=1, looping=looping, ngrams=sum(grams.values()), distinct=len(grams))
+
+    def __add__(self, other: Repetition) -> Repetition:
+        return Repetition(self.outputs + other.outputs, self.looping + other.looping,
+                          self.ngrams + other.ngrams, self.distinct + other.distinct)
+
+    def figures(self) -> dict[str, float | None]:
+        return {"loop_share": self.looping / self.outputs if self.outputs else None,
+                "distinct_4": self.distinct / self.ngrams if self.ngrams else None}
+
+
+def _repetition_of(entries: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
+    """The figures over the counts ``entries`` recorded (entries from before the counts existed: skipped)."""
+    return sum((Repetition(**e["repetition"]) for e in entries if e.get("repetition")), Repetition()).figures()
+
+
+def merge_counts(entries: Sequence[Mapping[str, Any]]) -> tuple[SpecCounts, bool]:
     """The entries' counts merged, and whether every entry has its accepted-length histogram."""
     total = SpecCounts()
     has_hist = all(e.get("accepted_hist") is not None for e in entries)
@@ -43,54 +111,93 @@ def summarize(
     greedy: bool,
     forward_times: Mapping[str, Mapping[str, float]] | None = None,
 ) -> dict[str, Any]:
-    """Run figures over ``records`` (results.jsonl lines): plain and per method.
+    """Run figures over ``records`` (results.jsonl lines): plain and per method, overall and per category.
 
     With ``forward_times`` (per method: the fields of
     :class:`specdec.measure.ForwardTimes`) each method also gets its analytic
     limit and efficiency = speedup / limit.
     """
-    ok = [r for r in records if not r[PLAIN].get("error")]
-    out: dict[str, Any] = {"plain": {**_throughput([r[PLAIN] for r in ok]), "errors": len(records) - len(ok)},
-                           "methods": {}}
+    cats = _categories(records)
+    plain = _plain_figures(records)
+    if cats is not None:
+        plain["by_category"] = {c: _pick(_plain_figures(rs), PLAIN_CATEGORY_KEYS) for c, rs in cats.items()}
+    out: dict[str, Any] = {"plain": plain, "methods": {}}
     for name, gamma in gammas.items():
-        mine = [r["methods"][name] for r in records if name in r["methods"]]
-        both = [r for r in ok if name in r["methods"] and not r["methods"][name].get("error")]
-        ents = [r["methods"][name] for r in both]
-        thr = _throughput(ents)
-        base = _throughput([r[PLAIN] for r in both])
-        counts, has_hist = _counts_from(ents)
-        n_eq = sum(1 for e in ents if e.get("equal_to_plain"))
-        taus = [e["tau"] for e in ents if e.get("tau") is not None]
-        m = out["methods"][name] = {
-            "gamma": gamma,
-            **thr,
-            "plain_tokens_per_s": base["tokens_per_s"],
-            "speedup": thr["tokens_per_s"] / base["tokens_per_s"]
-            if thr["tokens_per_s"] and base["tokens_per_s"] else None,
-            "tau": counts.tau if counts.steps else None,  # nothing measured (every request failed)
-            "alpha": counts.alpha if counts.steps else None,
-            "per_position_acceptance": counts.per_position,
-            "accepted_hist": list(counts.accepted_hist) if has_hist else None,
-            "steps": counts.steps,
-            "proposed": counts.proposed,
-            "accepted": counts.accepted,
-            "mean_request_tau": sum(taus) / len(taus) if taus else None,
-            # equal only when every request was compared: a failed one (here or in plain) is not
-            "outputs_equal": _all_equal(n_eq, len(ents), len(mine)) if greedy else None,
-            "num_equal": n_eq,
-            "draft_time_s": sum(e.get("draft_time_s") or 0.0 for e in ents),
-            "target_time_s": sum(e.get("target_time_s") or 0.0 for e in ents),
-            "errors": sum(1 for e in mine if e.get("error")),
-        }
-        ft = (forward_times or {}).get(name)
-        if ft and m["speedup"] and counts.steps:
-            m["analytic_limit"] = ForwardTimes(**ft).limit(counts.tau, gamma)
-            m["efficiency"] = efficiency(m["speedup"], m["analytic_limit"])
-            m["forward_times_s"] = dict(ft)
+        m = out["methods"][name] = _method_figures(records, name, gamma, greedy, (forward_times or {}).get(name))
+        if cats is not None:
+            m["by_category"] = {c: _pick(_method_figures(rs, name, gamma, greedy, None), CATEGORY_KEYS)
+                                for c, rs in cats.items()}
     eqs = [m["outputs_equal"] for m in out["methods"].values()]
     out["outputs_equal"] = False if False in eqs else (True if eqs and None not in eqs else None)
     out["errors"] = sum(1 for r in records if failed(r))  # requests that failed in any pipeline
     return out
+
+
+def _categories(records: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]] | None:
+    """The records by category (``source``), in order of first appearance; None when no record has one."""
+    if all(r.get("source") is None for r in records):
+        return None
+    cats: dict[str, list[Mapping[str, Any]]] = {}
+    for r in records:
+        src = r.get("source")
+        cats.setdefault(NO_CATEGORY if src is None else str(src), []).append(r)
+    return cats
+
+
+def _pick(figures: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    return {k: figures.get(k) for k in keys}
+
+
+def _plain_figures(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    ok = [r[PLAIN] for r in records if not r[PLAIN].get("error")]
+    return {**_throughput(ok), "errors": len(records) - len(ok), "repetition": _repetition_of(ok)}
+
+
+def _method_figures(
+    records: Sequence[Mapping[str, Any]],
+    name: str,
+    gamma: int,
+    greedy: bool,
+    forward_times: Mapping[str, float] | None,
+) -> dict[str, Any]:
+    """One method's figures over ``records``: speed against plain decoding of the same requests."""
+    mine = [r["methods"][name] for r in records if name in r["methods"]]
+    both = [r for r in records
+            if not r[PLAIN].get("error") and name in r["methods"] and not r["methods"][name].get("error")]
+    ents = [r["methods"][name] for r in both]
+    thr = _throughput(ents)
+    base = _throughput([r[PLAIN] for r in both])
+    counts, has_hist = merge_counts(ents)
+    n_eq = sum(1 for e in ents if e.get("equal_to_plain"))
+    taus = [e["tau"] for e in ents if e.get("tau") is not None]
+    m = {
+        "gamma": gamma,
+        **thr,
+        "plain_tokens_per_s": base["tokens_per_s"],
+        "speedup": thr["tokens_per_s"] / base["tokens_per_s"] if thr["tokens_per_s"] and base["tokens_per_s"] else None,
+        "tau": counts.tau if counts.steps else None,  # nothing measured (every request failed)
+        "alpha": counts.alpha if counts.steps else None,
+        "per_position_acceptance": counts.per_position,
+        "reached": list(counts.reached),  # [γ] steps that verified draft position i (the per-position n)
+        "accepted_at": list(counts.accepted_at),  # [γ] and accepted it
+        "accepted_hist": list(counts.accepted_hist) if has_hist else None,
+        "steps": counts.steps,
+        "proposed": counts.proposed,
+        "accepted": counts.accepted,
+        "mean_request_tau": sum(taus) / len(taus) if taus else None,
+        # equal only when every request was compared: a failed one (here or in plain) is not
+        "outputs_equal": _all_equal(n_eq, len(ents), len(mine)) if greedy else None,
+        "num_equal": n_eq,
+        "draft_time_s": sum(e.get("draft_time_s") or 0.0 for e in ents),
+        "target_time_s": sum(e.get("target_time_s") or 0.0 for e in ents),
+        "errors": sum(1 for e in mine if e.get("error")),
+        "repetition": _repetition_of([e for e in mine if not e.get("error")]),
+    }
+    if forward_times and m["speedup"] and counts.steps:
+        m["analytic_limit"] = ForwardTimes(**forward_times).limit(counts.tau, gamma)
+        m["efficiency"] = efficiency(m["speedup"], m["analytic_limit"])
+        m["forward_times_s"] = dict(forward_times)
+    return m
 
 
 def _all_equal(n_equal: int, n_compared: int, n_requests: int) -> bool | None:

@@ -42,17 +42,48 @@ SUMMARY_COLUMNS = (
     ("alpha", "α", ".3f"),
     ("analytic_limit", "limit", ".2f"),
     ("efficiency", "efficiency", ".2f"),
+    ("loop_share", "loops", ".2f"),
+    ("outputs_equal", "equal", ""),
+    ("errors", "errors", "d"),
+)
+
+CATEGORY_COLUMNS = (
+    ("category", "category", ""),
+    ("method", "method", ""),
+    ("requests", "requests", "d"),
+    ("tokens_per_s", "tok/s", ".1f"),
+    ("speedup", "speedup", ".2f"),
+    ("tau", "τ", ".2f"),
+    ("alpha", "α", ".3f"),
     ("outputs_equal", "equal", ""),
     ("errors", "errors", "d"),
 )
 
 
+def _plain_row(plain: Mapping[str, Any]) -> dict[str, Any]:
+    """Plain decoding's figures as a method row: γ 0, speedup and τ 1 by definition."""
+    return {"method": "plain", "gamma": 0, **plain, "speedup": 1.0 if plain.get("tokens_per_s") else None,
+            "tau": 1.0, "alpha": None, "outputs_equal": None}
+
+
 def summary_table(summary: Mapping[str, Any]) -> str:
-    """The run summary as one row for plain decoding and one per method."""
+    """The run summary: one row for plain decoding and one per method; under it, when the
+    prompts come in more than one category, the same figures per category (where a method
+    wins differs by task: a mean over all of them hides it)."""
     plain = summary.get("plain", {})
-    rows = [{"method": "plain", "gamma": 0, "requests": plain.get("requests"), "tokens": plain.get("tokens"),
-             "tokens_per_s": plain.get("tokens_per_s"), "speedup": 1.0 if plain.get("tokens_per_s") else None,
-             "tau": 1.0, "alpha": None, "outputs_equal": None, "errors": plain.get("errors")}]
-    for name, m in summary.get("methods", {}).items():
-        rows.append({"method": name, **{k: m.get(k) for k, _, _ in SUMMARY_COLUMNS if k != "method"}})
-    return format_table(rows, SUMMARY_COLUMNS)
+    methods = summary.get("methods", {})
+    rows = [_plain_row(plain)]
+    for name, m in methods.items():
+        rows.append({"method": name, **m})
+    for r in rows:
+        r["loop_share"] = (r.get("repetition") or {}).get("loop_share")
+    table = format_table(rows, SUMMARY_COLUMNS)
+    cats = plain.get("by_category") or {}
+    if len(cats) < 2:
+        return table
+    cat_rows = []
+    for cat, pc in cats.items():
+        cat_rows.append({"category": cat, **_plain_row(pc)})
+        for name, m in methods.items():
+            cat_rows.append({"category": cat, "method": name, **(m.get("by_category") or {}).get(cat, {})})
+    return table + "\n\nper category:\n" + format_table(cat_rows, CATEGORY_COLUMNS)
