@@ -128,7 +128,7 @@ class RunConfig:
     resume_dir: Optional[str] = None  # continue the run in this directory (implies resume)
     save_outputs: bool = True  # store output token ids (and text) per request
     plots: bool = True
-    progress: bool = True  # tqdm progress bars
+    progress: bool = True  # a bar on a terminal, else log lines (requests, tokens/s, τ; loading, warm-up, timing)
 
     def __post_init__(self) -> None:
         if not self.target.path:

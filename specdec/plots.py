@@ -1,10 +1,19 @@
 """Plots of a run's ``summary.json`` and of sweeps over several runs (matplotlib, Agg).
 
+Every figure says what it was measured on (target, temperature, batch size,
+number of prompts, γ) so that a PNG read alone, or in a W&B panel next to
+another run's, cannot be mistaken for a different setting.
+
 One run (written to ``<run_dir>/plots/`` by the experiment):
 
-- ``acceptance_per_position.png``: P(draft token i accepted | tokens < i accepted), per method;
-- ``tau_speedup.png``: τ and speedup per method (plain decoding: τ = 1, speedup = 1);
-- ``accepted_hist.png``: how many draft tokens each verification step accepted, per method.
+- ``acceptance_per_position.png``: P(draft token i accepted | tokens < i accepted), per method,
+  with 95% Wilson intervals and the number of times each position was reached
+  (a rate from a handful of samples shows as such; a position never reached is not drawn);
+- ``tau_speedup.png``: τ and speedup per method (plain decoding: τ = 1, speedup = 1), the
+  analytic limit beside each measured speedup when it was measured;
+- ``accepted_hist.png``: how many draft tokens each verification step accepted, per method;
+- ``by_category.png``: τ and speedup per prompt category and method (when the summary has
+  ``methods.<m>.by_category`` with more than one category).
 
 Several runs (a γ / temperature sweep)::
 
@@ -19,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +40,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 SUMMARY_FILE = "summary.json"
+Z_95 = 1.959963984540054  # two-sided 95% normal quantile
 
 
 def _int_x(ax: Any) -> None:
@@ -48,21 +59,117 @@ def _methods(summary: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
     return dict(summary.get("methods", {}))
 
 
+# --------------------------------------------------------------------------------------
+# figures the plots need
+# --------------------------------------------------------------------------------------
+def wilson_interval(k: int, n: int, z: float = Z_95) -> tuple[float, float]:
+    """Wilson score interval of a proportion ``k / n`` (95% by default).
+
+    Unlike p ± z·sqrt(p(1-p)/n) it stays inside [0, 1] and does not collapse to a
+    point at 0 or n successes, which is what a deep draft position, reached a few
+    times and never accepted, needs. ``n == 0`` says nothing: (0, 1).
+    """
+    if n < 0 or not 0 <= k <= n:
+        raise ValueError(f"need 0 <= k <= n, got k={k}, n={n}")
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    z2 = z * z
+    denom = 1 + z2 / n
+    centre = (p + z2 / (2 * n)) / denom
+    half = z / denom * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def position_counts(m: Mapping[str, Any]) -> list[tuple[int, int]] | None:
+    """Per draft position (accepted, reached) of a method's summary, or None without ``reached``.
+
+    ``accepted`` comes from ``accepted_at`` when the summary has it, else from the
+    acceptance rate times ``reached`` (exact: the rate is their ratio)."""
+    reached = m.get("reached")
+    if not reached:
+        return None
+    acc = m.get("accepted_at")
+    if not acc:
+        pp = m.get("per_position_acceptance") or []
+        acc = [round(p * n) for p, n in zip(pp, reached)]
+    return [(int(a), int(n)) for a, n in zip(acc, reached)]
+
+
+def _target_name(target: Any) -> str | None:
+    return Path(str(target)).name if target else None
+
+
+def _temperature(summary: Mapping[str, Any]) -> float | None:
+    t = (summary.get("sampling") or {}).get("temperature")
+    return float(t) if t is not None else None
+
+
+def _temp_text(t: float) -> str:
+    return "T=0 (greedy)" if t == 0 else f"T={t:g}"
+
+
+def run_context(summary: Mapping[str, Any], *, with_gamma: bool = True) -> str:
+    """``code-target · T=0 (greedy) · batch 1 · 32 prompts · γ=4``: what a run's figures were measured on."""
+    parts = []
+    if name := _target_name(summary.get("target")):
+        parts.append(name)
+    if (t := _temperature(summary)) is not None:
+        parts.append(_temp_text(t))
+    if summary.get("batch_size") is not None:
+        parts.append(f"batch {summary['batch_size']}")
+    n, done = summary.get("num_prompts"), summary.get("num_requests")
+    if n is not None:
+        parts.append(f"{done} of {n} prompts" if done is not None and done != n else f"{n} prompts")
+    gammas = sorted({m.get("gamma") for m in _methods(summary).values() if m.get("gamma") is not None})
+    if with_gamma and gammas:
+        parts.append("γ=" + "/".join(str(g) for g in gammas))
+    return " · ".join(parts)
+
+
+def _title(ax: Any, title: str, context: str) -> None:
+    ax.set_title(f"{title}\n{context}" if context else title, fontsize=10)
+
+
+# --------------------------------------------------------------------------------------
+# one run
+# --------------------------------------------------------------------------------------
 def plot_per_position(summary: Mapping[str, Any], path: Path) -> Path | None:
     methods = {n: m for n, m in _methods(summary).items() if m.get("per_position_acceptance")}
     if not methods:
         return None
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, m in methods.items():
+    fig, ax = plt.subplots(figsize=(6.5, 4.4))
+    shift = 0.08
+    any_counts = False
+    for j, (name, m) in enumerate(methods.items()):
         pp = m["per_position_acceptance"]
-        ax.plot(range(1, len(pp) + 1), pp, marker="o", label=f"{name} (γ={m.get('gamma')})")
+        dx = (j - (len(methods) - 1) / 2) * shift
+        counts = position_counts(m)
+        label = f"{name} (γ={m.get('gamma')})"
+        if counts is None:  # an older summary: rates only
+            ax.plot([i + 1 + dx for i in range(len(pp))], pp, marker="o", label=label)
+            continue
+        any_counts = True
+        pts = [(i + 1 + dx, k / n, *wilson_interval(k, n), n) for i, (k, n) in enumerate(counts) if n > 0]
+        if not pts:
+            continue
+        xs, ps, los, his, ns = zip(*pts)
+        bars = ax.errorbar(xs, ps, yerr=[[p - lo for p, lo in zip(ps, los)], [hi - p for p, hi in zip(ps, his)]],
+                           marker="o", capsize=3, label=label)
+        for x, p, n in zip(xs, ps, ns):
+            ax.annotate(f"n={n}", (x, p), textcoords="offset points", xytext=(5, 2), fontsize=7,
+                        color=bars[0].get_color(), bbox={"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none",
+                                                         "alpha": 0.8})
     ax.set_xlabel("draft position i")
     ax.set_ylabel("P(accepted | earlier accepted)")
-    ax.set_ylim(0, 1.05)
+    ax.set_ylim(0, 1.08)
+    # every drafted position on the axis, also those never reached (left empty, not drawn at 0)
+    ax.set_xlim(0.5, max(len(m["per_position_acceptance"]) for m in methods.values()) + 0.7)
     _int_x(ax)
-    ax.set_title("Per-position acceptance")
+    what = "95% Wilson intervals, n = times reached" if any_counts else "no per-position counts in the summary"
+    _title(ax, f"Per-position acceptance ({what})", run_context(summary))
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8, loc="lower left")
     return _save(fig, path)
 
 
@@ -71,15 +178,34 @@ def plot_tau_speedup(summary: Mapping[str, Any], path: Path) -> Path | None:
     if not methods:
         return None
     names = ["plain", *methods]
+    colors = ["0.6"] + [f"C{i}" for i in range(len(methods))]
     taus = [1.0] + [m.get("tau") or 0.0 for m in methods.values()]
     speed = [1.0] + [m.get("speedup") or 0.0 for m in methods.values()]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3.6))
-    for ax, vals, title in ((a1, taus, "τ (tokens per target forward)"), (a2, speed, "speedup vs plain")):
-        bars = ax.bar(names, vals, color=["0.6"] + [f"C{i}" for i in range(len(methods))])
-        ax.bar_label(bars, fmt="%.2f")
-        ax.set_title(title)
+    limits = [None] + [m.get("analytic_limit") for m in methods.values()]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 4))
+    bars = a1.bar(names, taus, color=colors)
+    a1.bar_label(bars, fmt="%.2f")
+    a1.set_title("τ (tokens per target forward)", fontsize=10)
+    a1.set_ylim(0, max(taus + [1.0]) * 1.2)
+    xs = list(range(len(names)))
+    has_limit = any(v is not None for v in limits)
+    w = 0.38 if has_limit else 0.8
+    mx = [x - w / 2 if lim is not None else x for x, lim in zip(xs, limits)]
+    bars = a2.bar(mx, speed, width=w, color=colors, label="measured")
+    a2.bar_label(bars, fmt="%.2f")
+    if has_limit:
+        lx = [x + w / 2 for x, lim in zip(xs, limits) if lim is not None]
+        lv = [lim for lim in limits if lim is not None]
+        lc = [c for c, lim in zip(colors, limits) if lim is not None]
+        lb = a2.bar(lx, lv, width=w, color=lc, alpha=0.35, hatch="//", edgecolor="k", label="analytic limit")
+        a2.bar_label(lb, fmt="%.2f")
+        a2.legend(fontsize=8, loc="lower right")
+    a2.set_xticks(xs, names)
+    a2.set_title("speedup vs plain" + (" (measured | analytic limit)" if has_limit else ""), fontsize=10)
+    a2.set_ylim(0, max(speed + [v for v in limits if v is not None] + [1.0]) * 1.2)
+    for ax in (a1, a2):
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
-        ax.set_ylim(0, max(vals + [1.0]) * 1.2)
+    fig.suptitle(run_context(summary), fontsize=10)
     return _save(fig, path)
 
 
@@ -87,18 +213,52 @@ def plot_accepted_hist(summary: Mapping[str, Any], path: Path) -> Path | None:
     methods = {n: m for n, m in _methods(summary).items() if m.get("accepted_hist")}
     if not methods:
         return None
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
     width = 0.8 / len(methods)
     for j, (name, m) in enumerate(methods.items()):
         hist = m["accepted_hist"]
         total = sum(hist) or 1
         xs = [i - 0.4 + width * (j + 0.5) for i in range(len(hist))]
-        ax.bar(xs, [h / total for h in hist], width=width, label=f"{name} (γ={m.get('gamma')})")
+        ax.bar(xs, [h / total for h in hist], width=width, label=f"{name} (γ={m.get('gamma')}, {sum(hist)} steps)")
     ax.set_xlabel("draft tokens accepted in a step")
     _int_x(ax)
     ax.set_ylabel("fraction of steps")
-    ax.set_title("Accepted length per verification step")
-    ax.legend()
+    _title(ax, "Accepted length per verification step", run_context(summary))
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def categories(summary: Mapping[str, Any]) -> list[str]:
+    """The prompt categories any method has figures for (``methods.<m>.by_category``), sorted."""
+    cats: set[str] = set()
+    for m in _methods(summary).values():
+        cats.update((m.get("by_category") or {}).keys())
+    return sorted(cats)
+
+
+def plot_by_category(summary: Mapping[str, Any], path: Path) -> Path | None:
+    """τ and speedup per category and method; None unless there are at least two categories."""
+    cats = categories(summary)
+    methods = {n: m["by_category"] for n, m in _methods(summary).items() if m.get("by_category")}
+    if len(cats) < 2 or not methods:
+        return None
+    reqs = {c: max((bc.get(c) or {}).get("requests") or 0 for bc in methods.values()) for c in cats}
+    fig, axes = plt.subplots(1, 2, figsize=(max(9.0, 1.1 * len(cats) * 2), 4.4))
+    width = 0.8 / len(methods)
+    for ax, key, title in ((axes[0], "tau", "τ per category"), (axes[1], "speedup", "speedup per category")):
+        for j, (name, bc) in enumerate(methods.items()):
+            xs = [i - 0.4 + width * (j + 0.5) for i in range(len(cats))]
+            vals = [(bc.get(c) or {}).get(key) for c in cats]
+            bars = ax.bar(xs, [v if v is not None else math.nan for v in vals], width=width, color=f"C{j}",
+                          label=name)
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        ax.set_xticks(range(len(cats)), [f"{c}\n(n={reqs[c]})" for c in cats],
+                      rotation=30 if len(cats) > 5 else 0, fontsize=8)
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(run_context(summary), fontsize=10)
     return _save(fig, path)
 
 
@@ -109,6 +269,7 @@ def plot_run(summary: Mapping[str, Any], out_dir: Path) -> dict[str, Path]:
         "acceptance_per_position": plot_per_position(summary, out_dir / "acceptance_per_position.png"),
         "tau_speedup": plot_tau_speedup(summary, out_dir / "tau_speedup.png"),
         "accepted_hist": plot_accepted_hist(summary, out_dir / "accepted_hist.png"),
+        "by_category": plot_by_category(summary, out_dir / "by_category.png"),
     }
     return {k: v for k, v in made.items() if v is not None}
 
@@ -134,22 +295,38 @@ def load_summaries(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
 
 
 def sweep_points(summaries: Sequence[Mapping[str, Any]]) -> dict[tuple[str, float], list[dict[str, Any]]]:
-    """(method, temperature) -> points ``{gamma, tau, speedup, alpha, per_position_acceptance}`` sorted by γ.
+    """(method, temperature) -> points ``{gamma, tau, speedup, alpha, per_position_acceptance, …}`` sorted by γ.
 
     Runs of different experiments (``name``) are kept apart: their method is shown as ``name/method``.
     """
     names = {s.get("name") for s in summaries}
     series: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    keys = ("gamma", "tau", "speedup", "alpha", "per_position_acceptance", "analytic_limit", "reached", "accepted_at")
     for s in summaries:
         temp = float(s.get("sampling", {}).get("temperature", 0.0))
         for name, m in _methods(s).items():
             label = f"{s.get('name')}/{name}" if len(names) > 1 else name
-            series.setdefault((label, temp), []).append(
-                {k: m.get(k) for k in ("gamma", "tau", "speedup", "alpha", "per_position_acceptance")}
-            )
+            series.setdefault((label, temp), []).append({k: m.get(k) for k in keys})
     for pts in series.values():
         pts.sort(key=lambda p: p["gamma"] or 0)
     return series
+
+
+def sweep_context(summaries: Sequence[Mapping[str, Any]]) -> str:
+    """What every run of a sweep shares (target, batch size, prompts), for the titles."""
+    def common(values: Iterable[Any]) -> Any:
+        vals = set(values)
+        return vals.pop() if len(vals) == 1 else None
+
+    parts = []
+    if name := common(_target_name(s.get("target")) for s in summaries):
+        parts.append(name)
+    if (bs := common(s.get("batch_size") for s in summaries)) is not None:
+        parts.append(f"batch {bs}")
+    if (n := common(s.get("num_prompts") for s in summaries)) is not None:
+        parts.append(f"{n} prompts")
+    parts.append(f"{len(summaries)} runs")
+    return " · ".join(parts)
 
 
 def plot_sweep(paths: Iterable[str | Path], out_dir: str | Path) -> dict[str, Path]:
@@ -158,34 +335,45 @@ def plot_sweep(paths: Iterable[str | Path], out_dir: str | Path) -> dict[str, Pa
     series = sweep_points(summaries)
     if not series:
         return {}
+    context = sweep_context(summaries)
     out_dir = Path(out_dir)
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.8))
-    for (name, temp), pts in sorted(series.items()):
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 4))
+    any_limit = False
+    for i, ((name, temp), pts) in enumerate(sorted(series.items())):
         g = [p["gamma"] for p in pts]
-        label = f"{name}, T={temp:g}"
-        a1.plot(g, [p["tau"] for p in pts], marker="o", label=label)
-        a2.plot(g, [p["speedup"] for p in pts], marker="o", label=label)
-    a1.set_title("τ against γ")
-    a2.set_title("speedup against γ")
+        label = f"{name}, {_temp_text(temp)}"
+        a1.plot(g, [p["tau"] for p in pts], marker="o", color=f"C{i}", label=label)
+        a2.plot(g, [p["speedup"] for p in pts], marker="o", color=f"C{i}", label=label)
+        lim = [(p["gamma"], p["analytic_limit"]) for p in pts if p.get("analytic_limit") is not None]
+        if lim:
+            any_limit = True
+            a2.plot(*zip(*lim), ls=":", marker="x", color=f"C{i}", alpha=0.7)
+    a1.set_title("τ against γ", fontsize=10)
+    a2.set_title("speedup against γ" + (" (dotted: analytic limit)" if any_limit else ""), fontsize=10)
     for ax in (a1, a2):
         ax.set_xlabel("γ (num_speculative_tokens)")
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.grid(alpha=0.3)
         _int_x(ax)
     a2.legend(fontsize=8)
+    fig.suptitle(context, fontsize=10)
     made = {"sweep_tau_speedup": _save(fig, out_dir / "sweep_tau_speedup.png")}
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6.5, 4.4))
     for (name, temp), pts in sorted(series.items()):
         for p in pts:
             pp = p["per_position_acceptance"] or []
-            if pp:
-                ax.plot(range(1, len(pp) + 1), pp, marker=".", label=f"{name}, T={temp:g}, γ={p['gamma']}")
+            counts = position_counts(p)
+            # with counts, a position never reached is left out instead of drawn at 0
+            xy = [(i + 1, k / n) for i, (k, n) in enumerate(counts) if n > 0] if counts else list(
+                enumerate(pp, start=1))
+            if xy:
+                ax.plot(*zip(*xy), marker=".", label=f"{name}, {_temp_text(temp)}, γ={p['gamma']}")
     ax.set_xlabel("draft position i")
     ax.set_ylabel("P(accepted | earlier accepted)")
     ax.set_ylim(0, 1.05)
     ax.grid(alpha=0.3)
     _int_x(ax)
-    ax.set_title("Per-position acceptance")
+    _title(ax, "Per-position acceptance", context)
     ax.legend(fontsize=7)
     made["sweep_acceptance_per_position"] = _save(fig, out_dir / "sweep_acceptance_per_position.png")
     return made

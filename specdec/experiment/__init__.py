@@ -19,7 +19,13 @@ directory:
   efficiency; recomputed over every record (also after a resume);
 - ``summary.txt``: the console table; ``plots/*.png``; ``run_config.json``;
   ``forward_times.json`` (bare forward times of the analytic limit);
-- ``wandb/``: the offline W&B run (``logger=wandb``, ``logger.mode=offline``).
+- ``wandb/``: the offline W&B run (``logger=wandb``, ``logger.mode=offline``): run-level
+  figures in its summary, per-request ones under ``request/`` in its history, tables,
+  charts, plots, and the files above as an artifact (layout: :mod:`specdec.logging.wandb_logger`).
+
+Progress (``progress=true``): a bar on a terminal, else a line on stderr every
+few seconds; loading, warm-up and forward timing each say when they start and
+end (:mod:`.progress`).
 
 The jobs, one module each: :mod:`.rundir` (the run directory, resuming, the
 results store), :mod:`.runner` (generation), :mod:`.summary` (figures),
@@ -48,8 +54,8 @@ import logging
 import signal
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import asdict, replace
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 from types import FrameType
@@ -83,10 +89,20 @@ from specdec.experiment.rundir import (
     write_json,
     write_text,
 )
+from specdec.experiment.dashboard import (
+    CATEGORY_COLUMNS,
+    METHOD_COLUMNS,
+    POSITION_COLUMNS,
+    category_rows,
+    method_rows,
+    position_rows,
+    run_labels,
+)
+from specdec.experiment.progress import Progress
 from specdec.experiment.runner import Request, Runner, request_seed
 from specdec.experiment.summary import TABLE_COLUMNS, request_metrics, summarize, table_rows
 from specdec.experiment.sweep import SweepPlots
-from specdec.logging import WandbConfig, build_logger, summary_table
+from specdec.logging import RunLogger, build_logger, summary_table
 
 __all__ = [
     "ExperimentError",
@@ -174,12 +190,17 @@ def _run(cfg: DictConfig | RunConfig, run_dir: str | Path | None) -> dict[str, A
              len(prompts) - len(pending), len(pending), ", ".join(comps.methods) or "(none)")
 
     overrides, sweep = hydra_job()
-    run_name = rc.name + (f"[{overrides}]" if overrides else "")
-    logger = build_logger(rc.logger)
-    if rc.logger.group is None and sweep and isinstance(logger.config, WandbConfig):
-        logger.config = replace(logger.config, group=f"{rc.name}-{sweep}")
-    logger.start(name=run_name, run_dir=rdir, config=cfg_dict, resume=bool(store.records))
     gammas = {n: int(m.num_speculative_tokens) for n, m in comps.methods.items()}
+    labels = run_labels(experiment=rc.name, target=comps.target, gammas=gammas,
+                        temperature=float(comps.sampling.temperature), batch_size=rc.batch_size,
+                        adaptive=[n for n, m in comps.methods.items() if getattr(m, "adaptive_gamma", False)],
+                        overrides=overrides, sweep=sweep)
+    progress = Progress(len(prompts), len(prompts) - len(pending), enabled=rc.progress)
+    logger = build_logger(rc.logger)
+    with progress.phase(f"starting the {rc.logger.name} logger") if rc.logger.name != "none" else nullcontext():
+        logger.start(name=labels.name, run_dir=rdir, config={**cfg_dict, "hydra_overrides": overrides},
+                     resume=bool(store.records), tags=labels.tags, group=labels.group, job_type=labels.job_type,
+                     notes=labels.notes)
     meta = {
         "name": rc.name,
         "run_dir": str(rdir),
@@ -199,26 +220,32 @@ def _run(cfg: DictConfig | RunConfig, run_dir: str | Path | None) -> dict[str, A
                 "updated_at": datetime.now().isoformat(timespec="seconds"),
                 **summarize(recs, gammas=gammas, greedy=comps.sampling.greedy, forward_times=timings or None)}
 
+    pipelines = "plain" + "".join(f" + {n}" for n in comps.methods)
     try:
         if pending:
-            from tqdm.auto import tqdm
-
-            runner = Runner(comps, save_outputs=rc.save_outputs)
+            with progress.phase(f"loading models ({pipelines})"):
+                runner = Runner(comps, save_outputs=rc.save_outputs)
             reqs = runner.encode(pending, comps.data.max_prompt_tokens)
-            runner.warmup(reqs, rc.warmup, rc.warmup_tokens)
+            if rc.warmup and reqs:
+                with progress.phase(f"warm-up ({rc.warmup} request(s) of {rc.warmup_tokens} tokens per pipeline)"):
+                    runner.warmup(reqs, rc.warmup, rc.warmup_tokens)
             first_batch = max((r.get("batch", -1) for r in store.records.values()), default=-1) + 1
-            with tqdm(total=len(prompts), initial=len(prompts) - len(pending), desc="requests", unit="req",
-                      disable=None if rc.progress else True, dynamic_ncols=True) as bar:  # None: off when not a TTY
+            with progress:
+                progress.start_requests(f"{pipelines}; batch {rc.batch_size}")
                 for b, batch in enumerate(_batches(reqs, rc.batch_size), start=first_batch):
-                    for rec in runner.run_batch(batch, b):
+                    done = runner.run_batch(batch, b)
+                    for rec in done:
                         store.append(rec)
                         logger.log_request(request_metrics(rec), step=len(store.records))
-                        bar.update(1)
-                    write_json(rdir / SUMMARY_FILE, current_summary())
+                    so_far = current_summary()
+                    write_json(rdir / SUMMARY_FILE, so_far)
+                    progress.update(len(done), so_far)
             if comps.methods and not timings:  # bare forward times for the analytic limit
                 ctx_len = int(sum(len(r.ids) for r in reqs) / len(reqs)) + comps.sampling.max_new_tokens // 2
                 try:
-                    timings.update({n: asdict(t) for n, t in runner.forward_times(ctx_len).items()})
+                    with progress.phase(f"timing bare forwards for the analytic limit (context {ctx_len})"):
+                        times = runner.forward_times(ctx_len)
+                    timings.update({n: asdict(t) for n, t in times.items()})
                 except OutOfBlocks as e:  # the results stand without their limit
                     log.warning("no analytic limit: %s", e)
                 else:
@@ -255,11 +282,39 @@ def _run(cfg: DictConfig | RunConfig, run_dir: str | Path | None) -> dict[str, A
         from specdec.plots import plot_run
 
         images = plot_run(summary, rdir / PLOTS_DIR)
+    if logger.active:
+        with progress.phase("W&B: logging the run"):
+            _log_run(logger, summary, recs, images, rdir)
+            logger.finish()  # offline: writes the run out; online: waits for the upload
+    logger.finish()
+    return summary
+
+
+def _log_run(logger: RunLogger, summary: dict[str, Any], recs: Sequence[dict[str, Any]], images: dict[str, Path],
+             rdir: Path) -> None:
+    """The run-level part of the W&B run: summary, tables, native charts, histograms, plots, files.
+
+    Everything here is a figure of the whole run (per-request values went to
+    history as they completed); each call is best-effort (see the logger)."""
     logger.log_summary({k: v for k, v in summary.items() if k not in ("methods_config",)})
     logger.log_table("requests", TABLE_COLUMNS, table_rows(recs))
+    logger.log_table("methods", METHOD_COLUMNS, method_rows(summary))
+    logger.log_bar_chart("tau", "methods", "method", "tau", title="τ (tokens per target forward) per method")
+    logger.log_bar_chart("speedup", "methods", "method", "speedup", title="speedup vs plain decoding per method")
+    pos = position_rows(summary)
+    if pos:
+        logger.log_table("per_position", POSITION_COLUMNS, pos)
+        logger.log_line_chart("per_position", "per_position", "position", "acceptance", series="method",
+                              title="per-position acceptance")
+    cats = category_rows(summary)
+    if cats:
+        logger.log_table("by_category", CATEGORY_COLUMNS, cats)
     for name, m in summary["methods"].items():
         if m.get("accepted_hist"):
             logger.log_histogram(f"{name}/accepted_hist", m["accepted_hist"])
     logger.log_images({f"plots/{k}": v for k, v in images.items()})
-    logger.finish()
-    return summary
+    files = {f: rdir / f for f in (RESULTS_FILE, SUMMARY_FILE, TABLE_FILE, CONFIG_FILE, FORWARD_TIMES_FILE)}
+    files.update({f"{PLOTS_DIR}/{p.name}": p for p in images.values()})
+    logger.log_artifact("results", "run-results", files, metadata={
+        k: summary.get(k) for k in ("name", "target", "batch_size", "num_prompts", "num_requests", "complete",
+                                    "outputs_equal", "errors")})

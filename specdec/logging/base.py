@@ -1,4 +1,10 @@
-"""The logger interface an experiment reports through."""
+"""The logger interface an experiment reports through.
+
+Two kinds of figures, kept apart so that a dashboard never mixes them up:
+per-request values (:meth:`RunLogger.log_request`: a series over requests, never
+a run's headline) and run-level figures (:meth:`RunLogger.log_summary`,
+tables, charts, files).
+"""
 
 from __future__ import annotations
 
@@ -17,23 +23,48 @@ class RunLogger:
     def active(self) -> bool:
         return False
 
-    def start(self, *, name: str, run_dir: Path, config: Mapping[str, Any], resume: bool = False) -> None:
-        """Opens the run (``config`` is the resolved run config)."""
+    def start(
+        self,
+        *,
+        name: str,
+        run_dir: Path,
+        config: Mapping[str, Any],
+        resume: bool = False,
+        tags: Sequence[str] = (),
+        group: str | None = None,
+        job_type: str | None = None,
+        notes: str | None = None,
+    ) -> None:
+        """Opens the run (``config`` is the resolved run config; ``tags``, ``group`` and
+        ``job_type`` label it for comparison with other runs; the logger's own settings add to them)."""
 
     def log_request(self, metrics: Mapping[str, Any], step: int) -> None:
-        """Per-request metrics (flat ``{key: number}``) at ``step`` (requests done so far)."""
+        """One request's metrics (flat ``{key: number}``); ``step``: requests done so far.
+
+        Per-request values only: they form a series and must never stand as a run figure."""
 
     def log_summary(self, summary: Mapping[str, Any]) -> None:
         """Run-level figures (nested; flattened to ``a/b`` keys)."""
 
     def log_table(self, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-        """A table (one row per request and method)."""
+        """A table (e.g. one row per request and method)."""
+
+    def log_bar_chart(self, name: str, table: str, label: str, value: str, title: str = "") -> None:
+        """A bar chart of column ``value`` per ``label`` of the table ``table`` logged before."""
+
+    def log_line_chart(self, name: str, table: str, x: str, y: str, series: str | None = None,
+                       title: str = "") -> None:
+        """A line chart of ``y`` against ``x`` of the table ``table`` logged before, one line per ``series``."""
 
     def log_histogram(self, name: str, counts: Sequence[int]) -> None:
         """A histogram of small non-negative integers given as counts per value."""
 
     def log_images(self, images: Mapping[str, Path]) -> None:
         """PNG files, by name."""
+
+    def log_artifact(self, name: str, kind: str, files: Mapping[str, Path],
+                     metadata: Mapping[str, Any] | None = None) -> None:
+        """Files kept with the run (``{name in the artifact: local path}``; missing ones are skipped)."""
 
     def finish(self) -> None:
         """Closes the run."""
