@@ -83,11 +83,16 @@ class PagedAttend:
     non-finite key or value of this forward gets NaN, as it would unmasked,
     and the rows before it stay clean; the step then fails that request only
     if it uses such a row. All of it is index arithmetic on ``[B, S]``: no
-    pass over the gathered keys and values.
+    pass over the gathered keys and values. That per-row hiding
+    (``isolate_rows``) is the costly part (about 15% of a verification forward
+    on CPU), so an eager CPU forward runs without it and again with it only
+    when some row went non-finite (see ``LlamaDecoder.forward``).
     """
 
-    def __init__(self, inputs: DecoderInputs, cache: KVCacheTensors, window: int | None) -> None:
+    def __init__(self, inputs: DecoderInputs, cache: KVCacheTensors, window: int | None,
+                 isolate_rows: bool = True) -> None:
         self.inputs = inputs
+        self.isolate_rows = isolate_rows
         self.cache = cache
         self.single = inputs.single_request  # one request: no packing
         self.causal = False
@@ -113,10 +118,15 @@ class PagedAttend:
         self.per_row = inputs.q_index.shape[1] > 1
         self.row_request = inputs.out_index // inputs.q_index.shape[1]  # [T] request of each new row
 
+    @property
+    def rows_meet(self) -> bool:
+        """Whether rows of one request see each other's new keys in this forward."""
+        return self.causal or self.mask is not None and self.per_row
+
     def _hide(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The slots to gather ``[B, S]`` (a non-finite new row replaced like
         padding) and the queries that see one (to be NaN; None: nothing to hide)."""
-        if not (self.causal or self.mask is not None and self.per_row):
+        if not (self.isolate_rows and self.rows_meet):
             return self.slots, None
         # Per new row: NaN and ±inf survive a sum (one fp32 reduction; isfinite().all() is ~15x slower on CPU).
         ok = (k.sum((1, 2), dtype=torch.float32) + v.sum((1, 2), dtype=torch.float32)).isfinite()  # [T]
@@ -320,8 +330,16 @@ class LlamaDecoder(DecoderModule):
         # table on its first call, with one host sync.
         max_pos = self._rope_len - 1 if self._rope_len else int(inputs.positions.max())
         cos, sin = self._rope(inputs.positions, max_pos)
-        attend = PagedAttend(inputs, inputs.kv_cache, self.config.sliding_window)
+        # Hiding each row's non-finite new keys from the rows before it (PagedAttend)
+        # is costly on a CPU, so there an eager forward runs without it, and runs
+        # again with it only if some row went non-finite: a residual stream that
+        # went NaN or inf stays so to the last layer, so the final states tell.
+        check = x.device.type == "cpu" and not torch.compiler.is_compiling()
+        attend = PagedAttend(inputs, inputs.kv_cache, self.config.sliding_window, isolate_rows=not check)
         h, aux = self._layers(x, cos, sin, attend, inputs.capture_layers, inputs.logit_index)
+        if check and attend.rows_meet and not bool(torch.isfinite(h.sum())):
+            attend = PagedAttend(inputs, inputs.kv_cache, self.config.sliding_window)
+            h, aux = self._layers(x, cos, sin, attend, inputs.capture_layers, inputs.logit_index)
         h = h[inputs.logit_index]  # [N, d]
         return DecoderOutputs(logits=self.lm_head(h), hidden_states=h,
                               aux_hidden_states=torch.cat(aux, dim=-1) if aux else None)
