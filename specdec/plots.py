@@ -47,7 +47,8 @@ def _int_x(ax: Any) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
-def _save(fig: Any, path: Path) -> Path:
+def save_figure(fig: Any, path: Path) -> Path:
+    """Writes ``fig`` to ``path`` (parents made) and closes it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -170,7 +171,7 @@ def plot_per_position(summary: Mapping[str, Any], path: Path) -> Path | None:
     _title(ax, f"Per-position acceptance ({what})", run_context(summary))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower left")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_tau_speedup(summary: Mapping[str, Any], path: Path) -> Path | None:
@@ -206,7 +207,7 @@ def plot_tau_speedup(summary: Mapping[str, Any], path: Path) -> Path | None:
     for ax in (a1, a2):
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
     fig.suptitle(run_context(summary), fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_accepted_hist(summary: Mapping[str, Any], path: Path) -> Path | None:
@@ -225,7 +226,7 @@ def plot_accepted_hist(summary: Mapping[str, Any], path: Path) -> Path | None:
     ax.set_ylabel("fraction of steps")
     _title(ax, "Accepted length per verification step", run_context(summary))
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def categories(summary: Mapping[str, Any]) -> list[str]:
@@ -259,7 +260,7 @@ def plot_by_category(summary: Mapping[str, Any], path: Path) -> Path | None:
         ax.grid(alpha=0.3, axis="y")
     axes[1].legend(fontsize=8)
     fig.suptitle(run_context(summary), fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_run(summary: Mapping[str, Any], out_dir: Path) -> dict[str, Path]:
@@ -357,7 +358,7 @@ def plot_sweep(paths: Iterable[str | Path], out_dir: str | Path) -> dict[str, Pa
         _int_x(ax)
     a2.legend(fontsize=8)
     fig.suptitle(context, fontsize=10)
-    made = {"sweep_tau_speedup": _save(fig, out_dir / "sweep_tau_speedup.png")}
+    made = {"sweep_tau_speedup": save_figure(fig, out_dir / "sweep_tau_speedup.png")}
     fig, ax = plt.subplots(figsize=(6.5, 4.4))
     for (name, temp), pts in sorted(series.items()):
         for p in pts:
@@ -375,7 +376,7 @@ def plot_sweep(paths: Iterable[str | Path], out_dir: str | Path) -> dict[str, Pa
     _int_x(ax)
     _title(ax, "Per-position acceptance", context)
     ax.legend(fontsize=7)
-    made["sweep_acceptance_per_position"] = _save(fig, out_dir / "sweep_acceptance_per_position.png")
+    made["sweep_acceptance_per_position"] = save_figure(fig, out_dir / "sweep_acceptance_per_position.png")
     return made
 
 

@@ -39,6 +39,7 @@ from specdec.measure import (
     machine,
     print_table,
 )
+from specdec.plots import save_figure  # noqa: F401  (re-exported for the study scripts)
 from specdec.spec.proposers import ProposerConfig, config_class
 
 log = logging.getLogger(__name__)
@@ -165,16 +166,6 @@ def out_dir(cfg: StudyConfig, study: str) -> Path:
     if cfg.out:
         return Path(cfg.out)
     return Path("outputs/studies") / study / f"{time.strftime('%Y%m%d-%H%M%S')}_{uuid.uuid4().hex[:6]}"
-
-
-def save_figure(fig: Any, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def finish(cfg: StudyConfig, study: str, out: Path, data: Inputs, rows: list[dict[str, Any]],

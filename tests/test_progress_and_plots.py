@@ -148,7 +148,7 @@ SUMMARY: dict[str, Any] = {
 def figures(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """Every figure a plot function saves, by file stem, inspected before it is closed."""
     seen: dict[str, Any] = {}
-    save = plots._save
+    save = plots.save_figure
 
     def spy(fig: Any, path: Path) -> Path:
         texts = [fig._suptitle.get_text()] if fig._suptitle else []
@@ -160,7 +160,7 @@ def figures(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         seen[path.stem] = {"text": "\n".join(texts), "axes": fig.axes}
         return save(fig, path)
 
-    monkeypatch.setattr(plots, "_save", spy)
+    monkeypatch.setattr(plots, "save_figure", spy)
     return seen
 
 
