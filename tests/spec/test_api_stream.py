@@ -28,6 +28,8 @@ from specdec.engine import EngineConfig
 from specdec.spec.proposers.draft_model import DraftModelConfig
 from specdec.spec.proposers.ngram import NgramConfig
 
+from leaks import assert_all_free  # tests/spec/leaks.py
+
 VOCAB = 64
 SINGLE = list(string.ascii_lowercase + string.ascii_uppercase + " .\n?")  # 56 one-character tokens
 MULTI = ["<a>", "xyz", "ab", "::", "->", "==", "[]", "END"]  # ids 56-63
@@ -80,16 +82,6 @@ def target(tiny_llama, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def llms(target) -> dict[str, LLM]:
     return {m: LLM(target, make(target), runtime=RuntimeConfig(**RUNTIME)) for m, make in METHODS.items()}
-
-
-def _assert_all_free(llm: LLM) -> None:
-    p = llm.pipeline
-    for model in (p.target, p.draft_model):
-        if model is not None:
-            assert model.num_free_blocks() == model.num_blocks, f"{model.cache_name} KV blocks leaked"
-    state = getattr(p, "state", None)
-    if state is not None:
-        assert state.num_free == state.max_batch_size, "state slots leaked"
 
 
 def _joined(chunks: list[StreamChunk]) -> tuple[list[int], str]:
@@ -203,7 +195,7 @@ def test_stream_concatenates_to_generate(llms, method):
         assert multi_token_chunks > 0
     else:
         assert multi_token_chunks == 0
-    _assert_all_free(llm)
+    assert_all_free(llm)
 
 
 def test_stream_with_sampling_matches_generate_with_the_same_seed(llms):
@@ -225,7 +217,7 @@ def test_byte_level_stream_holds_incomplete_characters(tiny_llama, tmp_path):
         chunks = list(llm.stream(prompt, GREEDY))
         assert _joined(chunks) == (out.token_ids, out.text)
         assert not any(c.text.endswith("\ufffd") for c in chunks[:-1] if c.text)
-    _assert_all_free(llm)
+    assert_all_free(llm)
 
 
 def test_stream_without_a_tokenizer_gives_token_ids(tiny_llama):
@@ -248,24 +240,24 @@ def test_an_abandoned_stream_frees_its_request(llms, method):
     for chunk in llm.stream("the cat sat", GREEDY):
         assert chunk.finish_reason is None
         break
-    _assert_all_free(llm)
+    assert_all_free(llm)
 
     g = llm.stream("Hello world.", GREEDY)
     next(g), next(g)
     g.close()
-    _assert_all_free(llm)
+    assert_all_free(llm)
 
     with pytest.raises(RuntimeError, match="consumer"):
         for _ in llm.stream("abc abc ab", GREEDY):
             raise RuntimeError("consumer failed")
-    _assert_all_free(llm)
+    assert_all_free(llm)
 
     # An open stream holds its blocks; the LLM meanwhile serves others, and after both it is as new.
     g = llm.stream("Q?", GREEDY)
     next(g)
     assert llm.generate("the cat sat", GREEDY)[0].token_ids == want
     g.close()
-    _assert_all_free(llm)
+    assert_all_free(llm)
     assert llm.generate("the cat sat", GREEDY)[0].token_ids == want
 
 
@@ -285,7 +277,7 @@ def test_a_stream_whose_step_raises_frees_its_request(llms, monkeypatch):
     with pytest.raises(RuntimeError, match="injected fault"):
         list(llm.stream("the cat sat", GREEDY))
     monkeypatch.undo()
-    _assert_all_free(llm)
+    assert_all_free(llm)
 
 
 # -- stop strings ----------------------------------------------------------------
@@ -327,7 +319,7 @@ def _check_stop(llm: LLM, prompt: str, stop: str) -> list[StreamChunk]:
     chunks = list(llm.stream(prompt, sp))
     assert _joined(chunks) == (want_ids, want_text) and chunks[-1].finish_reason == "stop"
     assert not any(stop in c.text for c in chunks)
-    _assert_all_free(llm)
+    assert_all_free(llm)
     return chunks
 
 
@@ -428,7 +420,7 @@ def test_a_stop_before_eos_in_the_same_step_wins(llms, tiny_llama, with_eos):
     want_ids, want_text = _expected(tok, ids, stop)
     assert (out.token_ids, out.text, out.finish_reason) == (want_ids, want_text, "stop")
     assert len(want_ids) < eos_at
-    _assert_all_free(llm)
+    assert_all_free(llm)
 
 
 def test_stop_strings_need_a_tokenizer(tiny_llama):
@@ -441,7 +433,7 @@ def test_stop_strings_need_a_tokenizer(tiny_llama):
     assert "'req-1'" in outs[1].error and "sampling.stop" in outs[1].error and "tokenizer" in outs[1].error
     (only,) = list(llm.stream([4, 5], SamplingParams(stop="x")))
     assert only.finish_reason == "error" and "sampling.stop" in only.error
-    _assert_all_free(llm)
+    assert_all_free(llm)
 
 
 @pytest.mark.parametrize("stop", ["", [""], [3], b"x", None])

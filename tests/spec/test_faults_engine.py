@@ -23,6 +23,8 @@ from specdec.engine import Engine, EngineConfig
 from specdec.spec.proposers.draft_model import DraftModelConfig
 from specdec.spec.proposers.ngram import NgramConfig
 
+from leaks import assert_all_free  # tests/spec/leaks.py
+
 VOCAB = 64
 GAMMA = 3
 RUNTIME = dict(max_batch_size=4, max_seq_len=64, block_size=8)
@@ -66,16 +68,6 @@ PROMPTS = _prompts(1, [5, 17, 9, 30, 2, 12])
 PARAMS = [GREEDY, SAMPLED, GREEDY, GREEDY, SAMPLED, GREEDY]
 
 
-def _assert_all_free(llm: LLM) -> None:
-    p = llm.pipeline
-    for model in (p.target, p.draft_model):
-        if model is not None:
-            assert model.num_free_blocks() == model.num_blocks, f"{model.cache_name} KV blocks leaked"
-    state = getattr(p, "state", None)
-    if state is not None:
-        assert state.num_free == state.max_batch_size, "state slots leaked"
-
-
 def _tokens(outs) -> list[list[int]]:
     for o in outs:
         assert o.error is None, o.error
@@ -109,10 +101,10 @@ def test_a_fault_mid_run_frees_everything_and_the_llm_serves_the_next_call_as_ne
     with pytest.raises(type(exc), match="injected"):
         llm.generate(PROMPTS, PARAMS)
     assert calls[0] == 4  # it failed mid-run
-    _assert_all_free(llm)
+    assert_all_free(llm)
     monkeypatch.undo()
     assert _tokens(llm.generate(PROMPTS, PARAMS)) == want
-    _assert_all_free(llm)
+    assert_all_free(llm)
 
 
 def test_a_step_that_raises_requeues_its_requests_and_the_engine_goes_on(make_llm, monkeypatch):
@@ -124,12 +116,12 @@ def test_a_step_that_raises_requeues_its_requests_and_the_engine_goes_on(make_ll
     with pytest.raises(RuntimeError, match="injected"):
         while engine.has_work():
             engine.step()
-    _assert_all_free(llm)
+    assert_all_free(llm)
     assert not engine.running and all(c.status is Status.WAITING for c in engine.waiting)
     engine.run()  # the fault was once: every request completes, as in a clean run
     assert [c.generated for c in ctxs] == want
     assert all(c.error is None for c in ctxs)
-    _assert_all_free(llm)
+    assert_all_free(llm)
 
 
 def test_an_interrupted_run_ends_every_request_with_abort(make_llm, monkeypatch):
@@ -142,7 +134,7 @@ def test_an_interrupted_run_ends_every_request_with_abort(make_llm, monkeypatch)
     assert not engine.has_work()
     for c in ctxs:
         assert c.finish_reason == "abort" and c.request_id in c.error and "KeyboardInterrupt" in c.error
-    _assert_all_free(llm)
+    assert_all_free(llm)
 
 
 # -- 2. bad input --------------------------------------------------------------------
@@ -195,7 +187,7 @@ def test_bad_requests_end_alone_and_the_others_are_exact(make_llm):
         o = outs[i]
         assert o.finish_reason == "error" and o.token_ids == []
         assert f"'req-{i}'" in o.error and words in o.error, o.error
-    _assert_all_free(llm)
+    assert_all_free(llm)
 
 
 class _CharTokenizer:
@@ -222,7 +214,7 @@ def test_a_sampling_list_of_the_wrong_length_is_an_error(target):
         llm.generate([[1, 2], [3]], [GREEDY])
     with pytest.raises(TypeError, match="prompts must be a list"):
         llm.generate(None)  # type: ignore[arg-type]
-    _assert_all_free(llm)
+    assert_all_free(llm)
 
 
 # -- 3. capacity, preemption, abort, deadline ----------------------------------------
@@ -252,7 +244,7 @@ def test_a_request_that_can_never_fit_is_rejected_at_admission_with_the_numbers(
     engine.run()
     assert [a.generated, b.generated] == want and a.error is None and b.error is None
     assert big.generated == []
-    _assert_all_free(llm)
+    assert_all_free(llm)
 
 
 def test_a_squeezed_cache_preempts_a_few_times_and_stays_exact(make_llm):
@@ -269,7 +261,7 @@ def test_a_squeezed_cache_preempts_a_few_times_and_stays_exact(make_llm):
     assert [c.generated for c in ctxs] == want
     assert all(c.error is None for c in ctxs)
     assert engine.stats.preemptions <= 6, engine.stats.preemptions
-    _assert_all_free(llm)
+    assert_all_free(llm)
 
 
 def test_abort_ends_one_request_and_frees_it(make_llm):
@@ -291,7 +283,7 @@ def test_abort_ends_one_request_and_frees_it(make_llm):
     assert c.generated == []
     engine.run()
     assert a.error is None and a.generated == want[0]
-    _assert_all_free(llm)
+    assert_all_free(llm)
 
 
 def test_a_deadline_ends_its_request_between_steps(make_llm):
@@ -316,4 +308,4 @@ def test_a_deadline_ends_its_request_between_steps(make_llm):
     assert 0 < late.num_generated < SAMPLED.max_new_tokens and late.generated == want[1][: late.num_generated]
     engine.run()
     assert a.error is None and a.generated == want[0]
-    _assert_all_free(llm)
+    assert_all_free(llm)
