@@ -129,6 +129,9 @@ def load_state_dict_into(
     """
     params = dict(module.named_parameters())  # tied weights appear once
     tied_aliases = {n for n, _ in module.named_parameters(remove_duplicate=False)} - set(params)
+    # Persistent buffers are weights too (an EAGLE-3 head's d2t / t2d vocabulary maps).
+    params.update((n, b) for n, b in module.state_dict(keep_vars=True).items()
+                  if n not in params and n not in tied_aliases)
     loaded: set[str] = set()
     unexpected: list[str] = []
     misshaped: list[str] = []
@@ -144,8 +147,8 @@ def load_state_dict_into(
             misshaped.append(f"{name} (checkpoint {list(shape)}, model {list(p.shape)})")
             continue
         t = _get(handle, name, file)
-        if not override_quantization_encoding and dtype is not None:
-            t = t.to(dtype)
+        if not override_quantization_encoding and dtype is not None and t.is_floating_point():
+            t = t.to(dtype)  # (integer and boolean tables keep their type)
         pending[name] = t.to(device)
         loaded.add(name)
     missing = sorted(set(params) - loaded)
@@ -214,11 +217,14 @@ def load_decoder(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     check: Callable[[Any], None] | None = None,
+    build: Callable[..., nn.Module] | None = None,
 ) -> LoadedDecoder:
     """Reads ``config.json``, finds the registered class, loads the weights.
 
     ``check(config)`` runs on the parsed config before any weight is read (a
-    run setting the model cannot serve fails before a long load).
+    run setting the model cannot serve fails before a long load). ``build``:
+    what constructs and loads the module (default :func:`load_graph_api_module`;
+    tensor parallelism passes one that reads each rank's shard).
     """
     path = Path(path)
     hf = read_hf_config(path)
@@ -241,7 +247,7 @@ def load_decoder(
         raise CheckpointError(f"{path / 'config.json'}: {e}") from None
     if check is not None:
         check(config)
-    module = load_graph_api_module(module_cls, config, path, dtype=dtype, device=device)
+    module = (build or load_graph_api_module)(module_cls, config, path, dtype=dtype, device=device)
     return LoadedDecoder(module=module, config=config, path=path)
 
 

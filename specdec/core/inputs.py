@@ -72,6 +72,19 @@ class DecoderInputs:
     # the logit rows: what a target-conditioned drafter reads (EAGLE-3 reads
     # three). Empty: none, and no cost.
     capture_layers: tuple[int, ...] = ()
+    # Token-tree step (specdec/spec/tree.py): [B, Q, Q] bool, query i of request b
+    # sees the request's new row j (its j-th query) iff tree_mask[b, i, j]; keys
+    # before the request's first new row (its cached context) are seen by all.
+    # Replaces the position-based mask (forces MaskKind.EXPLICIT's path), and then
+    # ``positions`` (rope) may differ from the key index: a node sits at
+    # root position + depth, while ``q_pos`` keeps each query's *key index*
+    # (where its row was written in ``gather_slots``). Build it with
+    # ``tree_attention_mask``: a chain's mask is the lower triangle.
+    tree_mask: torch.Tensor | None = None
+    # True: the final-norm hidden state (and captured layer inputs) of *every*
+    # packed row comes back too (``DecoderOutputs.row_hidden_states``): an
+    # EAGLE head catches up on all the rows the target was fed.
+    all_hidden: bool = False
     # Where each data-parallel replica's requests start: [R + 1], host ints.
     data_parallel_splits: list[int] = field(default_factory=lambda: [0])
 
@@ -105,6 +118,9 @@ class DecoderOutputs:
     logits: torch.Tensor  # [N, vocab] float, rows picked by logit_index
     hidden_states: torch.Tensor  # [N, hidden] final-norm hidden states of those rows
     aux_hidden_states: torch.Tensor | None = None  # [N, len(capture_layers) * hidden], in capture order
+    # With ``DecoderInputs.all_hidden``: the same for every packed row.
+    row_hidden_states: torch.Tensor | None = None  # [T, hidden]
+    row_aux_hidden_states: torch.Tensor | None = None  # [T, len(capture_layers) * hidden]
 
 
 @dataclass

@@ -13,6 +13,7 @@ Two ways to run it:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -99,7 +100,8 @@ class PagedAttend:
         self.mask: torch.Tensor | None = None
         self.slots = inputs.gather_slots  # [B, S]
         # Host-decided (see MaskKind), so a compiled forward guards on a flag, not on sizes.
-        if window is None and inputs.mask != MaskKind.EXPLICIT:
+        tree = inputs.tree_mask  # [B, Q, Q] or None: a token-tree step (DecoderInputs.tree_mask)
+        if window is None and inputs.mask != MaskKind.EXPLICIT and tree is None:
             # NONE: one query that sees every gathered key, nothing to hide.
             # CAUSAL: one request fed from 0: the gathered keys are its new rows, in order.
             self.causal = inputs.mask == MaskKind.CAUSAL
@@ -108,15 +110,33 @@ class PagedAttend:
         key_pos = torch.arange(s, device=inputs.q_pos.device)
         q_pos = inputs.q_pos.unsqueeze(-1)  # [B, Q, 1]
         mask = key_pos <= q_pos  # [B, Q, S]
-        if window is not None:
+        self.row_request = inputs.out_index // inputs.q_index.shape[1]  # [T] request of each new row
+        # Key index of each new row [T]: its position, except in a tree step (rope
+        # positions are root + depth there; q_pos keeps the key index).
+        self.row_key = inputs.positions if tree is None else inputs.q_pos.reshape(-1)[inputs.out_index]
+        if tree is not None:
+            mask &= self._tree_visible(tree, key_pos, inputs.q_pos)
+        if window is not None and tree is None:
             mask &= key_pos > q_pos - window
+        elif window is not None:  # the window counts rope positions: a key's is its row's
+            key_rope = key_pos.expand(inputs.q_pos.shape[0], s).index_put((self.row_request, self.row_key),
+                                                                          inputs.positions)  # [B, S]
+            q_rope = key_rope.gather(1, inputs.q_pos)  # [B, Q]
+            mask &= key_rope.unsqueeze(1) > (q_rope - window).unsqueeze(-1)
         self.mask = mask.unsqueeze(1)  # [B, 1, Q, S]
         self.in_context = key_pos <= inputs.q_pos.amax(1, keepdim=True)  # [B, S]
         # Past its context a request reads its own first slot (written, and masked there).
         self.slots = torch.where(self.in_context, inputs.gather_slots, inputs.gather_slots[:, :1])
         # One row per request (decode): its only query sees all its new keys, nothing to hide per row.
         self.per_row = inputs.q_index.shape[1] > 1
-        self.row_request = inputs.out_index // inputs.q_index.shape[1]  # [T] request of each new row
+
+    @staticmethod
+    def _tree_visible(tree: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+        """``[B, Q, S]``: key ``j`` is cached context (before the request's first
+        new row, key index ``q_pos[b, 0]``) or a new row query ``i`` sees in ``tree``."""
+        rel = key_pos - q_pos[:, :1]  # [B, S] new-row index of each key (< 0: cached context)
+        idx = rel.clamp(0, tree.shape[2] - 1).unsqueeze(1).expand(-1, tree.shape[1], -1)  # [B, Q, S]
+        return (rel < 0).unsqueeze(1) | tree.gather(2, idx)
 
     @property
     def rows_meet(self) -> bool:
@@ -133,7 +153,7 @@ class PagedAttend:
         if self.causal:  # key j is new row j; query i sees rows <= i
             return torch.where(ok, self.slots, self.slots[:, :1]), (ok.cumprod(0) == 0).view(1, 1, -1, 1)
         inp = self.inputs
-        seen = self.in_context.index_put((self.row_request, inp.positions), ok)  # [B, S] in context and finite
+        seen = self.in_context.index_put((self.row_request, self.row_key), ok)  # [B, S] in context and finite
         poisoned = (self.mask > seen[:, None, None, :]).any(-1, keepdim=True)  # [B, 1, Q, 1] sees a bad row
         return torch.where(seen, self.slots, self.slots[:, :1]), poisoned
 
@@ -190,6 +210,9 @@ class DenseCausalAttend:
 
 
 class Attention(nn.Module):
+    # Tensor parallelism (specdec.dist) sets a sum over ranks of o_proj's output; None: one device.
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
     def __init__(self, cfg: LlamaConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -223,10 +246,14 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         qk = qk * cos + rotate_half(qk) * sin  # rope on q and k at once
         q, k = qk.split([h, kv], dim=1)
-        return F.linear(attend(self.layer, q, k, v), self.o_proj.weight, self.o_proj.bias)
+        out = F.linear(attend(self.layer, q, k, v), self.o_proj.weight, self.o_proj.bias)
+        return out if self.reduce is None else self.reduce(out)  # tensor parallel: sum the ranks' partial rows
 
 
 class MLP(nn.Module):
+    # Tensor parallelism (specdec.dist) sets a sum over ranks of down_proj's output; None: one device.
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         d, f = cfg.hidden_size, cfg.intermediate_size
@@ -245,7 +272,8 @@ class MLP(nn.Module):
             gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return F.linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
+        out = F.linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
+        return out if self.reduce is None else self.reduce(out)  # tensor parallel: sum the ranks' partial rows
 
 
 class DecoderLayer(nn.Module):
@@ -269,12 +297,62 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+class RopeTables(nn.Module):
+    """Rotary cos/sin tables grown on demand, for a module with ``config``
+    (``rope``, ``head_dim``, ``max_position_embeddings``) whose weights set the dtype."""
+
+    _rope_len: int
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
+    def _init_rope(self) -> None:
+        self._rope_len = 0
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+
+    def _rope(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for ``positions`` [T] -> [T, 1, head_dim], tables grown on demand."""
+        if max_pos >= self._rope_len or self.rope_cos.device != positions.device:
+            cfg = self.config  # type: ignore[attr-defined]
+            n = max(max_pos + 1, cfg.max_position_embeddings, 2 * self._rope_len)
+            inv = cfg.rope.inv_freq(cfg.head_dim).float()
+            freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            dtype = next(p for p in self.parameters()).dtype
+            self.rope_cos = emb.cos().to(device=positions.device, dtype=dtype)
+            self.rope_sin = emb.sin().to(device=positions.device, dtype=dtype)
+            self._rope_len = n
+        return self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+
+    def rope_for(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of ``positions`` [T]; after :meth:`ensure_rope`, without a host sync."""
+        max_pos = self._rope_len - 1 if self._rope_len else int(positions.max())
+        return self._rope(positions, max_pos)
+
+    def ensure_rope(self, max_positions: int, device: torch.device | str = "cpu") -> None:
+        """Builds the rope tables for positions ``< max_positions`` (call once)."""
+        self._rope(torch.zeros(1, dtype=torch.long, device=device), max_positions - 1)
+
+
 @register(Role.DECODER, "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
-class LlamaDecoder(DecoderModule):
+class LlamaDecoder(RopeTables, DecoderModule):
     """A Llama-family causal LM over a paged KV cache."""
 
     config_cls = LlamaConfig
     supports_data_parallel = True  # stateless between steps: replicas just split the batch
+    # Tensor parallelism (styles: specdec/dist/tensor_parallel.py): heads and MLP columns split,
+    # row-parallel o_proj / down_proj summed by an all-reduce, vocabulary-parallel embedding and head.
+    tp_plan = {
+        "model.embed_tokens": "vocab_embedding",
+        "model.layers.*.self_attn": "heads",
+        "model.layers.*.self_attn.[qkv]_proj": "colwise",
+        "model.layers.*.self_attn.o_proj": "rowwise",
+        "model.layers.*.mlp": "reduce",
+        "model.layers.*.mlp.gate_proj": "colwise",
+        "model.layers.*.mlp.up_proj": "colwise",
+        "model.layers.*.mlp.down_proj": "rowwise",
+        "lm_head": "vocab_head",
+    }
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -283,26 +361,12 @@ class LlamaDecoder(DecoderModule):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self._rope_len = 0
-        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self._init_rope()
 
     @property
     def num_layers(self) -> int:
         return self.config.num_hidden_layers
 
-    def _rope(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for ``positions`` [T] -> [T, 1, head_dim], tables grown on demand."""
-        if max_pos >= self._rope_len or self.rope_cos.device != positions.device:
-            n = max(max_pos + 1, self.config.max_position_embeddings, 2 * self._rope_len)
-            inv = self.config.rope.inv_freq(self.config.head_dim).float()
-            freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv)
-            emb = torch.cat((freqs, freqs), dim=-1)
-            dtype = self.model.embed_tokens.weight.dtype
-            self.rope_cos = emb.cos().to(device=positions.device, dtype=dtype)
-            self.rope_sin = emb.sin().to(device=positions.device, dtype=dtype)
-            self._rope_len = n
-        return self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
 
     def _layers(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
@@ -328,21 +392,25 @@ class LlamaDecoder(DecoderModule):
         # ``ensure_rope`` so no host sync is needed here. A module that never
         # had ``ensure_rope`` (``load_decoder``, ``build_module``) builds the
         # table on its first call, with one host sync.
-        max_pos = self._rope_len - 1 if self._rope_len else int(inputs.positions.max())
-        cos, sin = self._rope(inputs.positions, max_pos)
+        cos, sin = self.rope_for(inputs.positions)
         # Hiding each row's non-finite new keys from the rows before it (PagedAttend)
         # is costly on a CPU, so there an eager forward runs without it, and runs
         # again with it only if some row went non-finite: a residual stream that
         # went NaN or inf stays so to the last layer, so the final states tell.
         check = x.device.type == "cpu" and not torch.compiler.is_compiling()
         attend = PagedAttend(inputs, inputs.kv_cache, self.config.sliding_window, isolate_rows=not check)
-        h, aux = self._layers(x, cos, sin, attend, inputs.capture_layers, inputs.logit_index)
+        rows = None if inputs.all_hidden else inputs.logit_index  # where captured layers are kept
+        h, aux = self._layers(x, cos, sin, attend, inputs.capture_layers, rows)
         if check and attend.rows_meet and not bool(torch.isfinite(h.sum())):
             attend = PagedAttend(inputs, inputs.kv_cache, self.config.sliding_window)
-            h, aux = self._layers(x, cos, sin, attend, inputs.capture_layers, inputs.logit_index)
-        h = h[inputs.logit_index]  # [N, d]
-        return DecoderOutputs(logits=self.lm_head(h), hidden_states=h,
-                              aux_hidden_states=torch.cat(aux, dim=-1) if aux else None)
+            h, aux = self._layers(x, cos, sin, attend, inputs.capture_layers, rows)
+        aux_t = torch.cat(aux, dim=-1) if aux else None
+        hl = h[inputs.logit_index]  # [N, d]
+        if not inputs.all_hidden:
+            return DecoderOutputs(logits=self.lm_head(hl), hidden_states=hl, aux_hidden_states=aux_t)
+        return DecoderOutputs(logits=self.lm_head(hl), hidden_states=hl,
+                              aux_hidden_states=aux_t[inputs.logit_index] if aux_t is not None else None,
+                              row_hidden_states=h, row_aux_hidden_states=aux_t)
 
     def prepare_for_inference(self) -> LlamaDecoder:
         """Fuses q/k/v and gate/up projections (views: no extra memory). Call
@@ -351,10 +419,6 @@ class LlamaDecoder(DecoderModule):
             layer.self_attn.fuse()
             layer.mlp.fuse()
         return self
-
-    def ensure_rope(self, max_positions: int, device: torch.device | str = "cpu") -> None:
-        """Builds the rope tables for positions ``< max_positions`` (call once)."""
-        self._rope(torch.zeros(1, dtype=torch.long, device=device), max_positions - 1)
 
     def forward_dense(self, tokens: torch.Tensor) -> torch.Tensor:
         """Causal forward of ``tokens`` [B, S] without a cache -> logits [B, S, V]."""

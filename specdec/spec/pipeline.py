@@ -96,7 +96,9 @@ class DraftAndVerify(nn.Module):
             return self.drafter(draft, sampling)
         assert slots is not None
         g = draft.gamma
-        probs = self.state.gather("draft_probs", slots)[:, :g] if "draft_probs" in self.state.tensors else None
+        # (A greedy step reads no probabilities: a slot's are stale when its last sampled step was another request's.)
+        sampled = "draft_probs" in self.state.tensors and not sampling.all_greedy
+        probs = self.state.gather("draft_probs", slots)[:, :g] if sampled else None
         return DraftTree.chain(self.state.gather("draft_tokens", slots)[:, :g], probs)
 
     def forward(
@@ -111,6 +113,7 @@ class DraftAndVerify(nn.Module):
         positions: torch.Tensor | None,  # [B, γ+1] sequence position of each emitted token (sampling only)
         slots: torch.Tensor | None,  # [B] state-store slots
         next_gamma: int = 0,  # drafts to leave for the next step (a drafter that drafts after verification)
+        draft_host: object = None,  # the proposer's prepare_after packing (TargetStep.host)
     ) -> StepOutput:
         t0 = time.perf_counter()
         b = num_draft.shape[0]
@@ -153,14 +156,20 @@ class DraftAndVerify(nn.Module):
         if self.drafts_after_verify and next_gamma > 0:
             assert slots is not None
             aux = target_out.aux_hidden_states
+            logit_rows = target_inputs.logit_index.view(b, logits.shape[1])  # [B, γ+1] packed rows
             step = TargetStep(
                 tokens=out,
                 num_accepted=acc,
                 hidden=target_out.hidden_states.view(b, logits.shape[1], -1),
                 aux_hidden=aux.view(b, logits.shape[1], -1) if aux is not None else None,
-                first_position=target_inputs.context_lengths - logits.shape[1],
+                first_position=target_inputs.positions.index_select(0, logit_rows[:, 0]),
                 slots=slots,
                 state=self.state,
+                bonus_row=logit_rows.gather(1, acc.unsqueeze(1)).squeeze(1),
+                rows=target_out.row_hidden_states,
+                aux_rows=target_out.row_aux_hidden_states,
+                inputs=target_inputs if target_inputs.all_hidden else None,
+                host=draft_host,
             )
             nxt = self.drafter.draft_after(step, next_gamma, sampling)
             self.state.tensors["draft_tokens"][slots, :next_gamma] = nxt.tokens
@@ -301,7 +310,9 @@ class SpecDecodePipelineModel:
         # needs room for the method's γ.
         g = self.config.num_speculative_tokens if full else 0
         self.target.reserve(ctx, processed + num_new + (self.gamma_for(ctx) if full else 0))
-        if g:
+        if self.proposer.needs_all_rows:  # it catches up on prefill chunks too, and drafts after each
+            self.proposer.reserve(ctx, self.config.num_speculative_tokens)
+        elif g:
             self.proposer.reserve(ctx, g)
 
     def free(self, ctx: TextContext) -> None:
@@ -436,10 +447,7 @@ class SpecDecodePipelineModel:
             gammas = [min(g, self._ready.get(c.request_id, 0)) for c, g in zip(batch, gammas)]
         gamma = max(gammas)
         draft: DraftBatch | None = None
-        if gamma and after:
-            draft = DraftBatch(gamma=gamma, num_draft=torch.tensor(gammas, device=self.device),
-                               first_position=torch.tensor(lens, device=self.device))
-        elif gamma:
+        if gamma and not after:
             draft = self.proposer.prepare(batch, gamma, gammas)
             if draft.gamma < gamma:
                 # The proposer found fewer drafts than asked (n-gram lookups that
@@ -447,12 +455,19 @@ class SpecDecodePipelineModel:
                 gamma = draft.gamma
                 draft = draft if gamma else None
         fed, num_tokens = batch, None
-        if chunks and gamma == 0:  # one forward for all: the chunks' rows are verified and dropped
+        # One forward for all when nothing is drafted, or when the drafter drafts
+        # after verification (it catches up on the chunks' rows too): the chunks'
+        # rows are verified and dropped.
+        if chunks and (gamma == 0 or after):
             fed = batch + [c for c, _ in chunks]
             num_tokens = [self.unprocessed(c) for c in batch] + [n for _, n in chunks]
             lens = lens + [c.processed(self.target.cache_name) + n for c, n in chunks]
         elif chunks:
             self._prefill_chunks(chunks)
+        if gamma and after:
+            gammas_fed = gammas + [0] * (len(fed) - len(batch))
+            draft = DraftBatch(gamma=gamma, num_draft=torch.tensor(gammas_fed, device=self.device),
+                               first_position=torch.tensor(lens, device=self.device))
         num_draft = draft.num_draft if draft is not None else torch.zeros(len(fed), dtype=torch.long, device=self.device)
         look = num_draft.tolist() if gamma else [0] * len(fed)
         # Each request verifies only its own drafts (no placeholder rows for
@@ -460,6 +475,10 @@ class SpecDecodePipelineModel:
         packed = self.target.prepare(fed, return_n_logits=gamma + 1, lookahead=look, num_tokens=num_tokens)
         inputs = packed.inputs
         inputs.capture_layers = self.proposer.target_layers
+        draft_host = None
+        if after and self.proposer.needs_all_rows:
+            inputs.all_hidden = True
+            draft_host = self.proposer.prepare_after(fed, packed, self.config.num_speculative_tokens)
         sampling = self._sampling(fed, packed.state_slots)
         positions = None
         if not sampling.all_greedy:
@@ -476,6 +495,7 @@ class SpecDecodePipelineModel:
             positions=positions,
             slots=packed.state_slots,
             next_gamma=self.config.num_speculative_tokens if after else 0,
+            draft_host=draft_host,
         )
         self.num_target_forwards += 1
         # The one host sync of the step: each row is tokens [γ+1], accepted, fault.

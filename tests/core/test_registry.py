@@ -48,9 +48,15 @@ def test_lookup_unknown_lists_registered():
 
 
 def test_lookup_is_by_role():
-    # Registered as a decoder, not as a draft head.
-    with pytest.raises(KeyError, match="draft_head"):
-        lookup("LlamaForCausalLM", Role.DRAFT_HEAD)
+    # One HF name, two roles: a Llama decoder, and an EAGLE-1 head (its
+    # published config.json says LlamaForCausalLM too); no Medusa head by that name.
+    from specdec.models.eagle import Eagle1Head
+    from specdec.models.llama import LlamaDecoder
+
+    assert lookup("LlamaForCausalLM", Role.DECODER) is LlamaDecoder
+    assert lookup("LlamaForCausalLM", Role.DRAFT_HEAD) is Eagle1Head
+    with pytest.raises(KeyError, match="medusa_head"):
+        lookup("LlamaForCausalLM", Role.MEDUSA_HEAD)
 
 
 def test_register_and_lookup_new_class(scratch_registry):

@@ -22,9 +22,11 @@ from specdec.core.context import SamplingParams
 from specdec.core.pipeline_model import RuntimeConfig
 from specdec.engine import EngineConfig
 from specdec.spec.proposers.draft_model import DraftModelConfig
+from specdec.spec.proposers.eagle import Eagle3Config, EagleConfig
 from specdec.spec.proposers.ngram import NgramConfig
 
 from echo_drafter import EchoConfig  # tests/spec/echo_drafter.py
+from eagle_heads import head_for  # tests/spec/eagle_heads.py
 
 VOCAB = 64
 MIN_MARGIN = 1e-4
@@ -100,6 +102,23 @@ def _draft_model_case(tiny_llama, generate, greedy_margin, data) -> None:
         assert llm.pipeline.stats().counts.alpha == 1.0
 
 
+def _eagle_case(tiny_llama, generate, greedy_margin, data) -> None:
+    # Random heads (rejections, ragged acceptance) and the echo head (long accepted runs on loops).
+    tkind = data.draw(st.sampled_from(["full", "loopy"]), label="target")
+    target = _target(tiny_llama, tkind)
+    kind = data.draw(st.sampled_from(["eagle", "eagle3", "eagle3-small-vocab", "eagle-echo"]), label="head")
+    ps, sps, gamma, block = data.draw(workloads(), label="workload")
+    cls = Eagle3Config if kind.startswith("eagle3") else EagleConfig
+    method = cls(path=str(head_for(target, kind)), num_speculative_tokens=gamma)
+    _check_exact(generate, greedy_margin, target, method, ps, sps, block)
+
+
+@HYP
+@given(data=st.data())
+def test_eagle_greedy_is_exact(tiny_llama, generate, greedy_margin, data) -> None:
+    _eagle_case(tiny_llama, generate, greedy_margin, data)
+
+
 @HYP
 @given(data=st.data())
 def test_ngram_greedy_is_exact(tiny_llama, generate, greedy_margin, data) -> None:
@@ -141,6 +160,10 @@ METHODS = {
     ),
     # Drafts after verification, from the target's hidden states kept in the state store.
     "echo": lambda tiny_llama, g: EchoConfig(num_speculative_tokens=g),
+    "eagle": lambda tiny_llama, g: EagleConfig(path=str(head_for(_target(tiny_llama, "loopy"), "eagle-echo")),
+                                               num_speculative_tokens=g),
+    "eagle3": lambda tiny_llama, g: Eagle3Config(
+        path=str(head_for(_target(tiny_llama, "loopy"), "eagle3-small-vocab")), num_speculative_tokens=g),
 }
 
 

@@ -42,12 +42,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
 
+from specdec.core.batch_processor import PackedBatch
 from specdec.core.context import TextContext
+from specdec.core.inputs import DecoderInputs
 from specdec.core.pipeline_model import DecoderPipelineModel, RuntimeConfig
 from specdec.core.state_store import RequestStateStore, StateSpec
 from specdec.sampling import SamplingTensors
@@ -125,7 +127,16 @@ class TargetStep:
     verification. Row ``j`` of a request is its ``j``-th verified input: row 0
     its last committed token, row ``j > 0`` its ``j``-th draft; the row at
     ``num_accepted`` produced the bonus token, so a drafter continuing the
-    request reads that row."""
+    request reads that row.
+
+    A proposer with ``needs_all_rows`` also gets every *packed* row the target
+    was fed this step (a whole prompt at a request's first step, prefill chunks
+    of other requests, and each request's verified rows), to catch up on them:
+    ``rows``, ``aux_rows``, ``inputs``, ``bonus_row``. Worked example, one
+    request fed [c, d1, d2] (last committed token, two drafts) that accepted
+    d1: ``num_accepted = 1``, ``tokens = [d1, b, -1]``, ``bonus_row`` = the
+    packed row of d1, whose target features gave the bonus token b.
+    """
 
     tokens: torch.Tensor  # [B, γ+1] emitted tokens: accepted drafts then the bonus; -1 past them
     num_accepted: torch.Tensor  # [B]
@@ -134,6 +145,11 @@ class TargetStep:
     first_position: torch.Tensor  # [B] sequence position of row 0
     slots: torch.Tensor  # [B] each request's slot in ``state``
     state: RequestStateStore  # the shared per-request store (the proposer's state_specs live here)
+    bonus_row: torch.Tensor | None = None  # [B] packed row that produced each request's bonus token
+    rows: torch.Tensor | None = None  # [T, H] final-norm hidden state of every packed row (needs_all_rows)
+    aux_rows: torch.Tensor | None = None  # [T, k·H] inputs of target_layers at every packed row (needs_all_rows)
+    inputs: DecoderInputs | None = None  # the target's packed inputs (drafts filled in) (needs_all_rows)
+    host: Any = None  # what the proposer's prepare_after packed on the host for this step
 
 
 class Drafter(nn.Module):
@@ -163,6 +179,9 @@ class Proposer(ABC):
     # the final-norm hidden state always comes. ``num_layers`` names the last
     # layer's output before the final norm.
     target_layers: tuple[int, ...] = ()
+    # True (with drafts_after_verify): the drafter catches up on every packed
+    # row the target was fed (TargetStep.rows …), prefill chunks included.
+    needs_all_rows: ClassVar[bool] = False
     drafter: Drafter
 
     def state_specs(self) -> list[StateSpec]:
@@ -177,6 +196,22 @@ class Proposer(ABC):
         many. A proposer that drafts after verification is not asked.
         """
         raise NotImplementedError(f"{type(self).__name__} drafts after verification; prepare is not called")
+
+    def prepare_after(self, batch: list[TextContext], packed: PackedBatch, gamma: int) -> Any:
+        """Host packing for ``draft_after`` (a proposer with ``needs_all_rows``):
+        called once the target's ``packed`` batch of ``batch`` is built and
+        before the step runs; its result arrives as ``TargetStep.host``. A
+        request in ``batch`` past ``packed.num_new`` … is a prefill chunk that
+        emits nothing this step. ``gamma``: drafts the step leaves per request."""
+        return None
+
+    def draft_forward_time(self, ctx_len: int, repeats: int = 10) -> float:
+        """Seconds of one bare one-token drafting forward at context ``ctx_len``
+        (T_draft(1) of the analytic limit; 0: model-free)."""
+        from specdec.spec.forward_time import forward_time
+
+        dm = self.draft_model
+        return forward_time(dm, 1, ctx_len, repeats=repeats) if dm is not None else 0.0
 
     def reserve(self, ctx: TextContext, gamma: int) -> None:
         """Makes room (KV blocks …) for drafting ``gamma`` tokens; may raise OutOfBlocks."""

@@ -1,0 +1,409 @@
+"""EAGLE-1 and EAGLE-3 draft heads: one decoder layer over the target's features.
+
+A head drafts from pairs ``(feature_t, token x_{t+1})``: at position ``t`` it
+reads the target's feature at ``t`` and the token that followed, and its
+output ``h_t`` gives logits for ``x_{t+2}``. Later draft steps feed the head's
+own ``h`` back as the feature, with the token just drafted. Both heads keep
+their own paged KV cache (one layer) and borrow the target's embedding (and,
+EAGLE-1, its lm_head) by reference: :meth:`EagleHead.attach_target`.
+
+- **EAGLE-1** (``fc.weight [H, 2H]``, optional ``fc.bias``, ``layers.0.*``
+  without ``input_layernorm``; a one-layer ``LlamaForCausalLM`` config)::
+
+      h = layer(fc([embed(x_{t+1}); f_t]))            f_t: the target's final-norm hidden state
+      logits = target.lm_head(h)                      (no norm in between)
+
+- **EAGLE-3** (``fc.weight [H, 3H]``, ``midlayer.*``, ``norm.weight``,
+  ``lm_head.weight [V_draft, H]``, ``d2t [V_draft]``, ``t2d [V]``;
+  ``LlamaForCausalLMEagle3``)::
+
+      g = fc([a_low; a_mid; a_high])                  inputs of target layers aux_layers (step 0 only)
+      x = [input_layernorm(embed(x_{t+1})); hidden_norm(g)]     (2H)
+      h = g + attn(x);  h = h + mlp(post_attention_layernorm(h))
+      logits = lm_head(norm(h))                       over the draft vocabulary;
+      target id of draft id i = i + d2t[i]
+
+Published layouts load as they are (``load_decoder(path, role=Role.DRAFT_HEAD)``);
+:func:`save_head` writes them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from specdec.core.inputs import DecoderInputs
+from specdec.core.registry import DecoderModule, Role, register
+from specdec.models.config import LlamaConfig
+from specdec.models.llama import MLP, Attend, Attention, DecoderLayer, DenseCausalAttend, PagedAttend, RMSNorm, RopeTables
+
+EAGLE3_ARCH = "LlamaForCausalLMEagle3"
+
+
+@dataclass(frozen=True)
+class EagleHeadConfig:
+    """A head's shapes. ``layer`` is the Llama config of its one decoder layer
+    (hidden size, heads, MLP, rope; its ``vocab_size`` is the target's)."""
+
+    kind: str  # "eagle" (EAGLE-1) or "eagle3"
+    layer: LlamaConfig
+    fc_bias: bool = True  # EAGLE-1 only: fc has a bias (the published default)
+    target_hidden_size: int = 0  # 0: the head's hidden size
+    draft_vocab_size: int = 0  # EAGLE-3's own vocabulary (0: the target's)
+    aux_layers: tuple[int, ...] | None = None  # EAGLE-3: target layers whose inputs are fused; None: (2, L//2, L-3)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("eagle", "eagle3"):
+            raise ValueError(f"EAGLE head kind must be 'eagle' or 'eagle3', got {self.kind!r}")
+        if self.kind == "eagle" and self.layer.num_hidden_layers != 1:
+            raise ValueError(f"an EAGLE-1 head has one layer; config.json says num_hidden_layers="
+                             f"{self.layer.num_hidden_layers}")
+        if self.aux_layers is not None and len(self.aux_layers) != 3:
+            raise ValueError(f"EAGLE-3 fuses three target layers, got aux layer ids {list(self.aux_layers)}")
+
+    # (the loader reads these through getattr, as it does a LlamaConfig's)
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layer.dtype
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layer.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.layer.vocab_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.layer.head_dim
+
+    @property
+    def rope(self) -> Any:
+        return self.layer.rope
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.layer.max_position_embeddings
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the step-0 feature: H_t (EAGLE-1) or 3·H_t (EAGLE-3)."""
+        t = self.target_hidden_size or self.hidden_size
+        return t if self.kind == "eagle" else 3 * t
+
+    @property
+    def num_draft_vocab(self) -> int:
+        return self.draft_vocab_size or self.vocab_size
+
+    def fused_layers(self, num_target_layers: int) -> tuple[int, ...]:
+        """Target layers whose inputs an EAGLE-3 head reads (() for EAGLE-1)."""
+        if self.kind == "eagle":
+            return ()
+        if self.aux_layers is not None:
+            return tuple(self.aux_layers)
+        n = num_target_layers
+        return (min(2, n - 1), n // 2, max(n - 3, 0))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EagleHeadConfig:
+        """Parses a published head's ``config.json`` (the architecture tells the kind)."""
+        arch = (d.get("architectures") or ["LlamaForCausalLM"])[0]
+        kind = "eagle3" if arch == EAGLE3_ARCH else "eagle"
+        layer = LlamaConfig.from_dict({**d, "architectures": ["LlamaForCausalLM"]})
+        aux = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        return cls(kind=kind, layer=layer, fc_bias=bool(d.get("bias", True)),
+                   target_hidden_size=int(d.get("target_hidden_size") or 0),
+                   draft_vocab_size=int(d.get("draft_vocab_size") or 0) if kind == "eagle3" else 0,
+                   aux_layers=tuple(int(i) for i in aux) if aux is not None else None)
+
+    @classmethod
+    def from_target(cls, kind: str, target: LlamaConfig, *, draft_vocab_size: int | None = None,
+                    aux_layers: tuple[int, ...] | None = None, fc_bias: bool = True) -> EagleHeadConfig:
+        """A head for ``target``: its layer has the target's shapes."""
+        layer = replace(target, num_hidden_layers=1, architecture=EAGLE3_ARCH if kind == "eagle3" else
+                        "LlamaForCausalLM", tie_word_embeddings=False)
+        return cls(kind=kind, layer=layer, fc_bias=fc_bias, target_hidden_size=target.hidden_size,
+                   draft_vocab_size=(draft_vocab_size or target.vocab_size) if kind == "eagle3" else 0,
+                   aux_layers=tuple(aux_layers) if aux_layers is not None else None)
+
+    def to_hf_dict(self, num_target_layers: int | None = None) -> dict[str, Any]:
+        """The published ``config.json`` of this head."""
+        from specdec.train.export import hf_config_dict
+
+        d = hf_config_dict(self.layer)
+        d["tie_word_embeddings"] = False
+        if self.kind == "eagle":
+            d["architectures"] = ["LlamaForCausalLM"]
+            d["bias"] = self.fc_bias
+        else:
+            d["architectures"] = [EAGLE3_ARCH]
+            d["draft_vocab_size"] = self.num_draft_vocab
+            d["target_hidden_size"] = self.target_hidden_size or self.hidden_size
+            ids = self.aux_layers if num_target_layers is None else self.fused_layers(num_target_layers)
+            if ids is not None:
+                d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(ids), "use_aux_hidden_state": True}
+        return d
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's midlayer: attention over [normed embedding; normed hidden] (2H)."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.self_attn = Attention(cfg, 0)
+        a = self.self_attn
+        for name, out in (("q_proj", a.n_heads), ("k_proj", a.n_kv), ("v_proj", a.n_kv)):
+            setattr(a, name, nn.Linear(2 * d, out * a.head_dim, bias=cfg.attention_bias))
+        self.mlp = MLP(cfg)
+        self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attend: Attend) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [T, 2H]
+        h = hidden + self.self_attn(x, cos, sin, attend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class EagleHead(RopeTables, DecoderModule):
+    """What both heads share: the target's borrowed modules, rope, the paged forward."""
+
+    config_cls = EagleHeadConfig
+    # A published EAGLE-1 file may carry the target's embedding: it is not read.
+    strict_state_dict_loading = False
+
+    def __init__(self, config: EagleHeadConfig) -> None:
+        super().__init__()
+        self.config = config
+        self._init_rope()
+        self.__dict__["_target"] = None  # (embed, lm_head) of the target: not parameters of the head
+        # Draft id -> target id, cached by prepare_for_inference (see draft_to_target).
+        self.register_buffer("_ids", torch.empty(0, dtype=torch.long), persistent=False)
+
+    # -- the target's modules, shared by reference -----------------------------------
+    def attach_target(self, embed: nn.Embedding, lm_head: nn.Module) -> None:
+        """Borrows the target's embedding (and lm_head): the same tensors, not copies."""
+        self.__dict__["_target"] = (embed, lm_head)
+
+    @property
+    def embed(self) -> nn.Embedding:
+        if self._target is None:
+            raise RuntimeError(f"{type(self).__name__}: attach_target(embed, lm_head) first")
+        return self._target[0]
+
+    def _draft_ids(self) -> torch.Tensor:
+        return torch.arange(self.config.num_draft_vocab, device=next(self.parameters()).device)
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        """[V_draft] int64: the target id of each draft id."""
+        ids = self._ids
+        return ids if ids.numel() == self.config.num_draft_vocab and ids.dtype == torch.long else self._draft_ids()
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return tuple(self.config.aux_layers or ())
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rope_for(positions)
+
+    # -- one draft step --------------------------------------------------------------
+    def project(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        """The step-0 feature from the target's (final-norm hidden, captured layer inputs)."""
+        raise NotImplementedError
+
+    def step(self, tokens: torch.Tensor, feature: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             attend: Attend) -> torch.Tensor:
+        """One draft step over packed rows: tokens [T], feature [T, H] -> h [T, H]."""
+        raise NotImplementedError
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary, [..., V_draft]."""
+        raise NotImplementedError
+
+    def target_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits over the target's vocabulary ([..., V]; -inf outside the draft vocabulary)."""
+        lg = self.logits(h)
+        if lg.shape[-1] == self.config.vocab_size:
+            return lg
+        full = lg.new_full((*lg.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy(-1, self.draft_to_target, lg)
+
+    def forward(self, inputs: DecoderInputs, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed ragged step over the head's paged cache (``inputs.kv_cache``):
+        feature [T, H] -> (h [N, H], target-vocabulary logits [N, V]) at ``logit_index``."""
+        assert inputs.kv_cache is not None, "DecoderInputs.kv_cache is required"
+        cos, sin = self.rope_for(inputs.positions)
+        check = feature.device.type == "cpu" and not torch.compiler.is_compiling()
+        attend = PagedAttend(inputs, inputs.kv_cache, None, isolate_rows=not check)
+        h = self.step(inputs.tokens, feature, cos, sin, attend)
+        if check and attend.rows_meet and not bool(torch.isfinite(h.sum())):  # see LlamaDecoder.forward
+            attend = PagedAttend(inputs, inputs.kv_cache, None)
+            h = self.step(inputs.tokens, feature, cos, sin, attend)
+        h = h[inputs.logit_index]
+        return h, self.target_logits(h)
+
+    def forward_dense(self, tokens: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
+        """Causal step over ``tokens`` [B, S] and ``feature`` [B, S, H] at positions
+        0..S-1, no cache (training) -> h [B, S, H]."""
+        b, s = tokens.shape
+        cos, sin = self._rope(torch.arange(s, device=tokens.device).repeat(b), s - 1)
+        h = self.step(tokens.reshape(-1), feature.reshape(b * s, -1), cos, sin, DenseCausalAttend(b, s, None))
+        return h.view(b, s, -1)
+
+
+@register(Role.DRAFT_HEAD, "LlamaForCausalLM")
+class Eagle1Head(EagleHead):
+    """EAGLE-1: fc over [embedding; feature], one decoder layer, the target's lm_head."""
+
+    def __init__(self, config: EagleHeadConfig) -> None:
+        super().__init__(config)
+        cfg = config.layer
+        h, ht = cfg.hidden_size, config.target_hidden_size or cfg.hidden_size
+        self.fc = nn.Linear(h + ht, h, bias=config.fc_bias)
+        layer = DecoderLayer(cfg, 0)
+        del layer.input_layernorm  # the published layer 0 has none
+        layer.input_layernorm = nn.Identity()
+        self.layers = nn.ModuleList([layer])
+
+    def project(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        return hidden
+
+    def step(self, tokens: torch.Tensor, feature: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             attend: Attend) -> torch.Tensor:
+        x = self.fc(torch.cat([self.embed(tokens).to(feature.dtype), feature], dim=-1))
+        return self.layers[0](x, cos, sin, attend)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self._target[1](h)
+
+    def prepare_for_inference(self) -> Eagle1Head:
+        self.layers[0].self_attn.fuse()
+        self.layers[0].mlp.fuse()
+        self._ids = self._draft_ids()
+        return self
+
+
+@register(Role.DRAFT_HEAD, EAGLE3_ARCH)
+class Eagle3Head(EagleHead):
+    """EAGLE-3: fc fuses three target layers; midlayer over [emb; hidden]; own norm and head."""
+
+    def __init__(self, config: EagleHeadConfig) -> None:
+        super().__init__(config)
+        cfg = config.layer
+        h = cfg.hidden_size
+        self.fc = nn.Linear(config.feature_size, h, bias=False)
+        self.midlayer = Eagle3Layer(cfg)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, config.num_draft_vocab, bias=False)
+        nd = config.num_draft_vocab
+        self.register_buffer("d2t", torch.zeros(nd, dtype=torch.long))  # target id - draft id
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool) if nd == cfg.vocab_size
+                             else torch.zeros(cfg.vocab_size, dtype=torch.bool))  # target id in the draft vocab
+
+    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
+        """The draft vocabulary: ``target_ids`` [V_draft], sorted (e.g. the most frequent tokens)."""
+        ids = torch.as_tensor(target_ids, dtype=torch.long).sort().values
+        if ids.numel() != self.config.num_draft_vocab:
+            raise ValueError(f"draft vocabulary has {ids.numel()} ids, the head {self.config.num_draft_vocab}")
+        self.d2t.copy_(ids - torch.arange(ids.numel()))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+        self._ids = self._draft_ids()
+
+    def project(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        if aux is None:
+            raise ValueError("an EAGLE-3 head reads the inputs of three target layers (aux hidden states)")
+        return self.fc(aux)
+
+    def step(self, tokens: torch.Tensor, feature: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             attend: Attend) -> torch.Tensor:
+        return self.midlayer(self.embed(tokens).to(feature.dtype), feature, cos, sin, attend)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))
+
+    def prepare_for_inference(self) -> Eagle3Head:
+        self.midlayer.self_attn.fuse()
+        self.midlayer.mlp.fuse()
+        self._ids = self._draft_ids()
+        return self
+
+    def _draft_ids(self) -> torch.Tensor:
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+
+def new_head(config: EagleHeadConfig, seed: int = 0) -> EagleHead:
+    """A randomly initialised head (fp32), e.g. to train."""
+    cls = Eagle3Head if config.kind == "eagle3" else Eagle1Head
+    g = torch.Generator().manual_seed(seed)
+    head = cls(config)
+    for name, p in head.named_parameters():
+        with torch.no_grad():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif p.dim() == 2:
+                p.normal_(0.0, 0.02, generator=g)
+            else:
+                p.zero_()
+    return head
+
+
+def check_head_fits(head_config: EagleHeadConfig, target: LlamaConfig, where: str) -> None:
+    """Raises ``ValueError`` naming the mismatch when a head cannot serve ``target``."""
+    problems = []
+    th = head_config.target_hidden_size or head_config.hidden_size
+    if th != target.hidden_size:
+        problems.append(f"it reads target hidden size {th}, the target has {target.hidden_size}")
+    if head_config.hidden_size != target.hidden_size:  # it borrows the target's embedding
+        problems.append(f"its hidden_size is {head_config.hidden_size}, the target's embedding has "
+                        f"{target.hidden_size}")
+    if head_config.vocab_size != target.vocab_size:
+        problems.append(f"its vocab_size is {head_config.vocab_size}, the target's {target.vocab_size}")
+    if head_config.num_draft_vocab > target.vocab_size:
+        problems.append(f"its draft vocabulary ({head_config.num_draft_vocab}) is larger than the target's")
+    bad = [i for i in head_config.fused_layers(target.num_hidden_layers) if not 0 <= i < target.num_hidden_layers]
+    if bad:
+        problems.append(f"its aux layer ids {bad} are not layers of the target (0..{target.num_hidden_layers - 1})")
+    if problems:
+        raise ValueError(f"EAGLE head {where} does not fit the target: " + "; ".join(problems))
+
+
+def head_state_dict(head: EagleHead) -> dict[str, torch.Tensor]:
+    """The published layout's tensors (floating weights in bf16)."""
+    out = {}
+    for k, v in head.state_dict().items():
+        out[k] = v.detach().to(torch.bfloat16).contiguous() if v.is_floating_point() else v.detach().contiguous()
+    return out
+
+
+def save_head(head: EagleHead, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
+              num_target_layers: int | None = None) -> list[Path]:
+    """Writes ``config.json`` + ``model.safetensors`` in the published layout (bf16)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = head.config.to_hf_dict(num_target_layers)
+    cfg["torch_dtype"] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    save_file(head_state_dict(head), str(out / "model.safetensors"))
+    files = [out / "config.json", out / "model.safetensors"]
+    if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
+        import shutil
+
+        shutil.copy(Path(tokenizer_dir) / "tokenizer.json", out / "tokenizer.json")
+        files.append(out / "tokenizer.json")
+    return files
+
+
+__all__ = ["EAGLE3_ARCH", "Eagle1Head", "Eagle3Head", "EagleHead", "EagleHeadConfig", "check_head_fits",
+           "new_head", "save_head"]
