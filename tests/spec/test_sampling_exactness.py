@@ -31,8 +31,10 @@ from specdec.sampling import LANE_RESIDUAL, LANE_TARGET, sample_from, uniform
 from specdec.spec import pipeline as spec_pipeline
 from specdec.spec import verify as spec_verify
 from specdec.spec.proposers.draft_model import DraftModelConfig
+from specdec.spec.proposers.eagle import Eagle3Config, EagleConfig
 from specdec.spec.proposers.ngram import NgramConfig
 
+from eagle_heads import head_for  # tests/spec/eagle_heads.py
 from echo_drafter import EchoConfig  # tests/spec/echo_drafter.py
 
 V = 8
@@ -123,6 +125,11 @@ def _method(models, name: str, gamma: int = GAMMA) -> Any:
         return NgramConfig(num_speculative_tokens=gamma, max_n=3, min_n=1)
     if name == "echo":  # drafts after verification, from the target's hidden states
         return EchoConfig(num_speculative_tokens=gamma)
+    if name.startswith("eagle") and not name.startswith("eagle3"):  # EAGLE-1 heads (sampled drafts):
+        # random, or echo (its q is the target's own p one position back)
+        return EagleConfig(path=str(head_for(models["target"], name)), num_speculative_tokens=gamma)
+    if name == "eagle3":  # a random EAGLE-3 head, draft vocabulary 6 of the 8 tokens
+        return Eagle3Config(path=str(head_for(models["target"], "eagle3-small-vocab")), num_speculative_tokens=gamma)
     return DraftModelConfig(path=str(models[name].path), num_speculative_tokens=gamma)
 
 
@@ -136,6 +143,9 @@ CASES = [
     pytest.param("unrelated", TOPK_TOPP, 50_000, (0.1, 0.5), id="unrelated-topk-topp"),
     pytest.param("ngram", dict(temperature=1.0), 60_000, (0.0, 1.0), id="ngram"),
     pytest.param("echo", dict(temperature=1.0), 70_000, (0.0, 1.0), id="echo-after-verify"),
+    pytest.param("eagle", dict(temperature=1.0), 80_000, (0.05, 0.9), id="eagle"),
+    pytest.param("eagle-echo", TOPK_TOPP, 85_000, (0.05, 0.95), id="eagle-echo-topk-topp"),
+    pytest.param("eagle3", TOPK_TOPP, 90_000, (0.05, 0.9), id="eagle3-topk-topp"),
 ]
 
 
@@ -192,12 +202,13 @@ def _residual_is_p(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(spec_pipeline, "verify_sampled", buggy_verify)
 
 
-def test_the_test_rejects_a_residual_drawn_from_p(models, monkeypatch) -> None:
+@pytest.mark.parametrize(("proposer", "seed0"), [("unrelated", 30_000), ("eagle3", 90_000)])
+def test_the_test_rejects_a_residual_drawn_from_p(models, monkeypatch, proposer, seed0) -> None:
     target = models["target"]
     probs = exact_joint(target.hf, PROMPT, temperature=1.0)
     _residual_is_p(monkeypatch)
-    counts, llm = sample_joint(target, _method(models, "unrelated"), seed0=30_000, temperature=1.0)
-    assert llm.pipeline.stats().counts.alpha < 0.45  # rejections are common: the bug shows
+    counts, llm = sample_joint(target, _method(models, proposer), seed0=seed0, temperature=1.0)
+    assert llm.pipeline.stats().counts.alpha < 0.6  # rejections are common: the bug shows
     p = gof_pvalue(counts, probs)
     print(f"chi-square p = {p:.3g}")
     assert p < P_FAIL, f"the planted bug went unnoticed: chi-square p = {p:.3g}"
