@@ -1,0 +1,600 @@
+"""Token trees: shapes, EAGLE-2 selection, lossless verification, KV compaction.
+
+Pure functions over tensors; nothing here knows the pipeline. A tree per
+request is given as in :class:`~specdec.spec.proposers.base.DraftTree`:
+
+- ``tokens [B, N]``: node ``i``'s token;
+- ``parents [B, N]``: node ``i``'s parent node, ``-1`` for the **root** (the
+  request's last committed token). Parents come before their children
+  (``parents[b, i] < i``);
+- ``num_nodes [B]`` (optional everywhere, ``None``: all ``N``): trees are
+  ragged; nodes ``i >= num_nodes[b]`` are padding and are never read.
+
+**Rows.** The target verifies a tree in one forward over ``N + 1`` rows per
+request: row 0 is the root, row ``i + 1`` is node ``i``. Row ``r``'s logits
+are the target's distribution of the token *after* row ``r``'s path, so
+``target_logits [B, N+1, V]`` (or ``target_probs``) is indexed by row. Each
+row sits at sequence position ``root position + depth`` (root depth 0, its
+children depth 1) and attends to the cached context, the root and its own
+ancestors (:func:`tree_attention_mask`, ``DecoderInputs.tree_mask``).
+
+Terms (as in :mod:`specdec.spec.verify`), per request and step:
+
+- **accepted**: the nodes of the longest root-to-node path the target keeps,
+  one per depth, found by walking down from the root;
+- **recovered**: the token the target emits at the first node whose children
+  are all rejected, drawn from what is left of ``p`` after those rejections;
+- **bonus**: the token the target emits after a *leaf* reached with every node
+  on its path accepted, drawn from ``p`` at that leaf.
+
+Each step emits ``num_accepted + 1`` tokens: the accepted path's tokens then
+one recovered or bonus token. A chain (``parents = [-1, 0, 1, …]``) gives
+exactly what the chain verifiers give.
+
+Worked example (greedy, one request, ``N = 5``)::
+
+    tokens   = [[a, c, b, d, e]]          # node 0 = a, 1 = c, 2 = b, 3 = d, 4 = e
+    parents  = [[-1, -1, 0, 0, 2]]        # root -> {a, c}; a -> {b, d}; b -> {e}
+    rows     =   0    1  2  3  4  5       # row 0: root, row i+1: node i
+    argmax   = [[c, x, d, y, z, w]]       # target argmax per row [B, N+1]
+
+    depth 1: at row 0 the target wants c; children of the root: a (node 0),
+             c (node 1) -> node 1 matches: accept, go to row 2
+    depth 2: at row 2 the target wants argmax[2] = d; node 1 has no children
+             -> stop; d is the bonus (node 1 is a leaf)
+    path         = [[0, 2, -1, -1]]       # rows of the emitted tokens' contexts [B, D+1], D = 3
+    out_tokens   = [[c, d, -1, -1]]       # accepted tokens, then the bonus [B, D+1]
+    num_accepted = [1]
+
+``path[b, k]`` is the row whose distribution emitted ``out_tokens[b, k]``;
+``path[b, :num_accepted + 1]`` are the rows to keep (their KV entries and
+hidden states: the root's and the accepted nodes'), and the row that produced
+the last (recovered or bonus) token is ``path[b, num_accepted]``.
+
+Randomness (sampled verification) uses the counter-based scheme of
+:mod:`specdec.sampling`: the noise of the decision at depth ``k`` (the token
+emitted at sequence position ``positions[b] + k``) is a hash of
+``(seed, positions[b] + k, lane)``; the ``s``-th child tried at a node uses
+lane :func:`tree_lane` ``(LANE_ACCEPT, s)`` (``LANE_ACCEPT`` itself for the
+first child, as the chain verifier does). Results therefore do not depend on
+batch-mates, and a chain gives bit-for-bit what ``verify_sampled`` gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from specdec.core.inputs import KVCacheTensors
+from specdec.sampling import LANE_ACCEPT, LANE_RESIDUAL, LANE_TARGET, greedy_tokens, sample_from, uniform
+
+__all__ = [
+    "Candidates",
+    "Selection",
+    "StaticTree",
+    "TreeVerdict",
+    "accepted_slot_moves",
+    "ancestor_mask",
+    "children_table",
+    "compact_kv",
+    "depths",
+    "dynamic_tree_select",
+    "expand_topk",
+    "static_tree",
+    "static_tree_tokens",
+    "tree_attention_mask",
+    "tree_lane",
+    "tree_positions",
+    "valid_nodes",
+    "verify_tree_greedy",
+    "verify_tree_sampled",
+]
+
+
+def tree_lane(lane: int, sibling: int) -> int:
+    """The noise lane of the ``sibling``-th draw of one kind at one position.
+
+    Sibling 0 keeps ``lane`` (a chain uses exactly the chain verifier's
+    noise); sibling ``s > 0`` gets ``lane + 256 s``, clear of the base lanes
+    of :mod:`specdec.sampling`. A drafter sampling siblings i.i.d. at one
+    position should use ``tree_lane(LANE_DRAFT, s)`` for the ``s``-th.
+    """
+    return lane if sibling == 0 else lane + (sibling << 8)
+
+
+# -- tree shapes -------------------------------------------------------------------------------
+
+
+def valid_nodes(parents: torch.Tensor, num_nodes: torch.Tensor | None) -> torch.Tensor:
+    """``[B, N]`` bool: node ``i`` of request ``b`` is real (``i < num_nodes[b]``)."""
+    b, n = parents.shape
+    if num_nodes is None:
+        return torch.ones(b, n, dtype=torch.bool, device=parents.device)
+    return torch.arange(n, device=parents.device) < num_nodes.unsqueeze(1)
+
+
+def ancestor_mask(parents: torch.Tensor, num_nodes: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, N, N]`` bool: ``mask[b, i, j]`` iff node ``j`` is node ``i`` or an ancestor of it.
+
+    The root is not a node here (every node descends from it). Padding nodes
+    (``i >= num_nodes[b]``) see only themselves, and no real node sees them
+    (a real node's ancestors come before it). Example::
+
+        parents = [[-1, 0, -1, 1]]        # 0 -> 1 -> 3; 2 alone under the root
+        mask[0] = [[1, 0, 0, 0],
+                   [1, 1, 0, 0],
+                   [0, 0, 1, 0],
+                   [1, 1, 0, 1]]
+
+    Computed as the transitive closure of "self or parent" by repeated
+    squaring: ``ceil(log2 N)`` batched boolean products, no loop over nodes.
+    """
+    b, n = parents.shape
+    ar = torch.arange(n, device=parents.device)
+    step = (parents.unsqueeze(-1) == ar) | (ar.unsqueeze(1) == ar)  # [B, N, N] self or parent
+    step &= valid_nodes(parents, num_nodes).unsqueeze(-1) | (ar.unsqueeze(1) == ar)  # padding: self only
+    m = step.float()
+    for _ in range(max(n - 1, 1).bit_length()):  # paths of <= 2^k edges after k squarings
+        m = (m + torch.bmm(m, m)).clamp(max=1.0)
+    return m > 0
+
+
+def depths(parents: torch.Tensor, num_nodes: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, N]`` int64: each node's depth (the root's children: 1; padding: 0).
+
+    Example: ``parents = [[-1, 0, -1, 1]] -> [[1, 2, 1, 3]]``.
+    """
+    d = ancestor_mask(parents, num_nodes).sum(-1)  # self + ancestors = depth
+    return torch.where(valid_nodes(parents, num_nodes), d, 0)
+
+
+def tree_positions(parents: torch.Tensor, start: torch.Tensor, num_nodes: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, N+1]`` int64: the sequence position of each row (row 0 the root).
+
+    ``start [B]`` is the root's position; row ``i + 1`` sits at
+    ``start + depth(i)``: a node has the position it would have in its own
+    root-to-node chain. (Padding rows get ``start``.)
+    """
+    d = depths(parents, num_nodes)  # [B, N]
+    return start.unsqueeze(1) + torch.cat([torch.zeros_like(d[:, :1]), d], dim=1)
+
+
+def tree_attention_mask(parents: torch.Tensor, num_nodes: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, N+1, N+1]`` bool over rows (row 0 the root, row ``i+1`` node ``i``): what
+    each row of a tree step sees among the step's rows. It goes into
+    ``DecoderInputs.tree_mask`` (padded to the batch's ``Q``); the cached
+    context before the root is visible to every row.
+
+    Row 0 sees itself; row ``i+1`` sees the root, node ``i`` and its
+    ancestors. Padding rows see the root and themselves (never an empty row).
+    Example, ``parents = [[-1, -1, 0]]``::
+
+        [[1, 0, 0, 0],      # root
+         [1, 1, 0, 0],      # node 0
+         [1, 0, 1, 0],      # node 1 (a sibling: does not see node 0)
+         [1, 1, 0, 1]]      # node 2 under node 0
+
+    For a chain this is the lower triangle (causal); a request in the batch
+    that feeds plain rows (a prefill) uses the chain ``parents``.
+    """
+    b, n = parents.shape
+    out = torch.zeros(b, n + 1, n + 1, dtype=torch.bool, device=parents.device)
+    out[:, :, 0] = True
+    out[:, 1:, 1:] = ancestor_mask(parents, num_nodes)
+    return out
+
+
+class StaticTree(NamedTuple):
+    """A static tree's shape, nodes sorted by ``(depth, path)``."""
+
+    parents: torch.Tensor  # [N] int64, -1: the root
+    ranks: torch.Tensor  # [N] int64, node i's token = the ranks[i]-th top token of its parent's distribution
+    depths: torch.Tensor  # [N] int64, 1 for the root's children
+    paths: list[tuple[int, ...]]  # [N] the choice of each node, as given
+
+
+def static_tree(choices: list[list[int]] | list[tuple[int, ...]]) -> StaticTree:
+    """A static tree from Medusa-style ``choices`` (also vLLM's ``speculative_token_tree``).
+
+    Each choice is a path of top-k ranks from the root: ``[0]`` is the root's
+    top-1 child, ``[0, 1]`` the second-best child of ``[0]``. Nodes are
+    sorted by ``(len(path), path)`` (Medusa's ``generate_medusa_buffers``),
+    so parents come before children; every prefix of a path must itself be a
+    choice. Example::
+
+        static_tree([[0], [1], [0, 0], [0, 1], [1, 0]])
+        parents = [-1, -1, 0, 0, 1]
+        ranks   = [ 0,  1, 0, 1, 0]
+        depths  = [ 1,  1, 2, 2, 2]
+
+    The tokens come from the drafter: node ``i``'s token is the
+    ``ranks[i]``-th top token of the distribution drafted at its parent
+    (:func:`static_tree_tokens`; EAGLE-1's static tree). Medusa's heads
+    draft one distribution per *depth* for the whole tree, so there node
+    ``i``'s token is ``head_topk[depth[i] - 1, ranks[i]]``.
+    """
+    paths = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda p: (len(p), p))
+    if len(paths) != len(choices):
+        raise ValueError("static_tree: choices contain duplicates")
+    index = {p: i for i, p in enumerate(paths)}
+    parents, ranks = [], []
+    for p in paths:
+        if not p or min(p) < 0:
+            raise ValueError(f"static_tree: a choice must be a non-empty list of ranks >= 0, got {list(p)}")
+        if len(p) > 1 and p[:-1] not in index:
+            raise ValueError(f"static_tree: choice {list(p)} lacks its parent {list(p[:-1])}")
+        parents.append(index[p[:-1]] if len(p) > 1 else -1)
+        ranks.append(p[-1])
+    return StaticTree(
+        parents=torch.tensor(parents, dtype=torch.long),
+        ranks=torch.tensor(ranks, dtype=torch.long),
+        depths=torch.tensor([len(p) for p in paths], dtype=torch.long),
+        paths=paths,
+    )
+
+
+def static_tree_tokens(parents: torch.Tensor, ranks: torch.Tensor, parent_topk: torch.Tensor) -> torch.Tensor:
+    """Node tokens of a static tree -> ``[B, N]``.
+
+    ``parents``, ``ranks`` ``[N]`` (from :func:`static_tree`);
+    ``parent_topk [B, N+1, K]``: the top-K tokens of the draft distribution
+    at each row (row 0 the root, row ``i+1`` node ``i``; K > max rank). Node
+    ``i``'s token is ``parent_topk[b, parents[i] + 1, ranks[i]]``. A drafter
+    that fills the tree level by level calls this per level with the rows it
+    has (rows of deeper levels are not read).
+    """
+    b = parent_topk.shape[0]
+    rows = (parents + 1).expand(b, -1)  # [B, N]
+    per_node = parent_topk.gather(1, rows.unsqueeze(-1).expand(-1, -1, parent_topk.shape[-1]))  # [B, N, K]
+    return per_node.gather(2, ranks.expand(b, -1).unsqueeze(-1)).squeeze(-1)
+
+
+class Candidates(NamedTuple):
+    """Every node an EAGLE-2 expansion scored, in expansion order (parents first)."""
+
+    tokens: torch.Tensor  # [B, M] int64
+    parents: torch.Tensor  # [B, M] int64, index into the same M; -1: the root
+    scores: torch.Tensor  # [B, M] float, cumulative draft log-probability of the root-to-node path
+
+
+def expand_topk(
+    root_logprobs: torch.Tensor,  # [B, V] draft log-probs after the root
+    draft_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    depth: int,
+    top_k: int,
+) -> Candidates:
+    """EAGLE-2's expansion (``topK_genrate``) as a pure loop over a drafter callback.
+
+    Level 1 is the root's ``top_k`` tokens. Then ``depth - 1`` times: the
+    drafter runs the current *frontier* (``top_k`` nodes per request) in one
+    call, each frontier node proposes its ``top_k`` best children with score
+    ``parent score + log q(child)``, all ``top_k²`` children are recorded,
+    and the best ``top_k`` of them by score become the next frontier (a beam).
+    ``M = top_k + (depth - 1) top_k²`` candidates in all; pick the tree with
+    :func:`dynamic_tree_select`.
+
+    ``draft_fn(frontier_tokens [B, K], frontier_parent [B, K]) -> log-probs
+    [B, K, V]``: ``frontier_parent[b, k]`` is the index, in the *previous*
+    call's frontier, of node ``k``'s parent (``-1`` in the first call: the
+    root's children). A drafter that keeps KV or features per frontier node
+    can thus attend each node to its ancestors (the frontier of call ``c`` is
+    its rows ``c·K … c·K + K - 1``). Index arithmetic, ``K = top_k = 2``::
+
+        level 1:   candidates 0, 1        (root's top-2), frontier = [0, 1]
+        call 1:    children of 0 -> candidates 2, 3; of 1 -> 4, 5
+                   best two by score, say 5 and 2 -> frontier = [5, 2],
+                   frontier_parent = [1, 0]  (5's parent 1 was frontier slot 1)
+        call 2:    children of 5 -> 6, 7; of 2 -> 8, 9 ...
+    """
+    b = root_logprobs.shape[0]
+    dev = root_logprobs.device
+    k = top_k
+    score, tok = root_logprobs.topk(k, dim=-1)  # [B, K]
+    toks, pars, scores = [tok], [torch.full((b, k), -1, dtype=torch.long, device=dev)], [score]
+    front_id = torch.arange(k, device=dev).expand(b, k)  # [B, K] candidate index of each frontier node
+    front_parent = torch.full((b, k), -1, dtype=torch.long, device=dev)
+    offset = k
+    for _ in range(depth - 1):
+        lp = draft_fn(tok, front_parent)  # [B, K, V]
+        cs, ct = lp.topk(k, dim=-1)  # [B, K, K] each frontier node's best children
+        cs = (score.unsqueeze(-1) + cs).reshape(b, k * k)  # cumulative
+        ct = ct.reshape(b, k * k)
+        toks.append(ct)
+        scores.append(cs)
+        pars.append(front_id.unsqueeze(-1).expand(b, k, k).reshape(b, k * k))
+        best = cs.topk(k, dim=-1).indices  # [B, K] into the K² children
+        tok, score = ct.gather(1, best), cs.gather(1, best)
+        front_parent = best // k  # slot of the parent in the frontier just run
+        front_id = offset + best
+        offset += k * k
+    return Candidates(torch.cat(toks, 1), torch.cat(pars, 1), torch.cat(scores, 1))
+
+
+class Selection(NamedTuple):
+    """The nodes :func:`dynamic_tree_select` keeps, as a tree (parents before children)."""
+
+    index: torch.Tensor  # [B, K] int64, candidate index of each kept node (ascending; padding past num_nodes)
+    parents: torch.Tensor  # [B, K] int64, parent among the kept nodes; -1: the root (and padding)
+    num_nodes: torch.Tensor  # [B] int64, kept nodes (< K where fewer candidates have a finite score)
+
+
+def dynamic_tree_select(scores: torch.Tensor, parents: torch.Tensor, total_tokens: int) -> Selection:
+    """EAGLE-2 reranking: keep the ``total_tokens`` best candidates by score.
+
+    ``scores [B, M]`` are cumulative log-probabilities (``-inf``: no
+    candidate) and ``parents [B, M]`` index the same ``M``, parents before
+    children. A child's score is its parent's plus a log-probability ``<= 0``,
+    so a kept child's parent is kept too: the kept nodes form a tree. Ties
+    are broken towards the earlier candidate (a stable sort), so a parent
+    tied with its child is kept first. The kept nodes are re-indexed in
+    candidate order (so parents still precede children) and their parents
+    translated. Example::
+
+        scores  = [[-0.1, -0.5, -0.3, -0.9, -0.4]]
+        parents = [[  -1,   -1,    0,    0,    2]]
+        total_tokens = 3  ->  keeps candidates 0, 2, 4 (scores -0.1, -0.3, -0.4)
+        index   = [[0, 2, 4]];  parents = [[-1, 0, 1]];  num_nodes = [3]
+
+    Tokens follow with ``candidates.tokens.gather(1, index)``; the kept
+    nodes' draft distributions likewise.
+    """
+    b, m = scores.shape
+    k = min(total_tokens, m)
+    finite = scores > float("-inf")  # NaN: not a candidate either
+    order = torch.sort(scores.masked_fill(~finite, float("-inf")), dim=1, descending=True, stable=True).indices[:, :k]
+    kept_ok = finite.gather(1, order)  # [B, K]
+    idx = torch.where(kept_ok, order, order + m).sort(dim=1).values  # real ones first, ascending
+    kept_ok = idx < m
+    idx = torch.where(kept_ok, idx, idx - m)
+    inv = torch.full((b, m), -1, dtype=torch.long, device=scores.device)
+    inv.scatter_(1, idx, torch.arange(k, device=scores.device).expand(b, k))  # [B, M] new index of a kept node
+    old_par = parents.gather(1, idx)  # [B, K]
+    new_par = torch.where(old_par >= 0, inv.gather(1, old_par.clamp(min=0)), -1)
+    return Selection(idx, torch.where(kept_ok, new_par, -1), kept_ok.sum(1))
+
+
+# -- verification ------------------------------------------------------------------------------
+
+
+class TreeVerdict(NamedTuple):
+    """What verification of a tree step decides, per request (``D``: the tree depth)."""
+
+    path: torch.Tensor  # [B, D+1] int64 row of each emitted token's context: 0 root, i+1 node i; -1 past
+    tokens: torch.Tensor  # [B, D+1] int64 accepted tokens, then the recovered / bonus one; -1 past
+    num_accepted: torch.Tensor  # [B] int64 accepted nodes (emitted tokens - 1)
+
+
+def children_table(
+    parents: torch.Tensor, num_nodes: torch.Tensor | None = None, max_children: int | None = None
+) -> torch.Tensor:
+    """``[B, N+1, C]`` int64: the children of each row, by node index (``-1`` past them).
+
+    Row 0 is the root, row ``i + 1`` node ``i``. ``C`` is ``max_children``
+    or (``None``) the largest branching in the batch, which costs one host
+    sync. Children past ``max_children`` are left out (verifying a subtree
+    is still lossless). Example: ``parents = [[-1, 0, -1, 1]]`` ->
+    ``[[[0, 2], [1, -1], [3, -1], [-1, -1], [-1, -1]]]``.
+    """
+    b, n = parents.shape
+    dev = parents.device
+    valid = valid_nodes(parents, num_nodes)  # [B, N]
+    ar = torch.arange(n, device=dev)
+    earlier = (parents.unsqueeze(-1) == parents.unsqueeze(1)) & (ar.unsqueeze(0) < ar.unsqueeze(1))  # [B, i, j<i]
+    rank = (earlier & valid.unsqueeze(1)).sum(-1)  # [B, N] earlier siblings of each node
+    c = max_children if max_children is not None else max(int(rank.masked_fill(~valid, 0).max()) + 1 if n else 1, 1)
+    keep = valid & (rank < c)
+    dummy = (n + 1) * c
+    flat = torch.where(keep, (parents + 1) * c + rank, dummy)  # [B, N]
+    table = torch.full((b, dummy + 1), -1, dtype=torch.long, device=dev)
+    table.scatter_(1, flat, ar.expand(b, n).clone())
+    return table[:, :dummy].reshape(b, n + 1, c)
+
+
+def _max_depth(parents: torch.Tensor, num_nodes: torch.Tensor | None, max_depth: int | None) -> int:
+    if max_depth is not None:
+        return max_depth
+    if parents.shape[1] == 0:
+        return 0
+    return int(depths(parents, num_nodes).max())  # host sync
+
+
+def verify_tree_greedy(
+    *,
+    tokens: torch.Tensor,  # [B, N] int64
+    parents: torch.Tensor,  # [B, N] int64, -1: the root
+    num_nodes: torch.Tensor | None,  # [B] int64; None: all N
+    target_logits: torch.Tensor,  # [B, N+1, V], row 0 the root, row i+1 node i
+    max_depth: int | None = None,  # D; None: the deepest node (one host sync)
+) -> TreeVerdict:
+    """Greedy tree verification -> :class:`TreeVerdict` (see the module's worked example).
+
+    From the root, follow the child whose token is the target's argmax at the
+    current row (the first such child if tokens repeat); where none is, stop
+    and emit that argmax (recovered, or the bonus at a leaf). Every emitted
+    token is the argmax at its row, so ``out_tokens[b, k] = argmax[b, path[b, k]]``.
+    A chain gives exactly :func:`~specdec.spec.verify.verify_greedy`'s output
+    (with ``num_draft = num_nodes``, ``D = γ``).
+    """
+    b, n = tokens.shape
+    dev = tokens.device
+    d = _max_depth(parents, num_nodes, max_depth)
+    argmax = greedy_tokens(target_logits)  # [B, N+1]
+    valid = valid_nodes(parents, num_nodes)  # [B, N]
+    cur = torch.zeros(b, dtype=torch.long, device=dev)  # [B] current row
+    alive = torch.ones(b, dtype=torch.bool, device=dev)  # [B] still descending
+    path = torch.full((b, d + 1), -1, dtype=torch.long, device=dev)
+    out = torch.full((b, d + 1), -1, dtype=torch.long, device=dev)
+    path[:, 0] = 0
+    for k in range(d + 1):
+        want = argmax.gather(1, cur.unsqueeze(1))  # [B, 1] the target's token after the current row
+        out[:, k] = torch.where(alive, want.squeeze(1), -1)
+        if k == d:
+            break
+        match = valid & (parents == (cur - 1).unsqueeze(1)) & (tokens == want)  # [B, N] children holding it
+        found = alive & match.any(1)
+        cur = torch.where(found, match.int().argmax(1) + 1, cur)  # first matching child's row
+        path[:, k + 1] = torch.where(found, cur, -1)
+        alive = found
+    return TreeVerdict(path, out, (path >= 0).sum(1) - 1)
+
+
+def verify_tree_sampled(
+    *,
+    tokens: torch.Tensor,  # [B, N] int64
+    parents: torch.Tensor,  # [B, N] int64, -1: the root
+    num_nodes: torch.Tensor | None,  # [B] int64; None: all N
+    target_probs: torch.Tensor,  # [B, N+1, V] after temperature / top-k / top-p; row 0 the root
+    draft_probs: torch.Tensor | None,  # [B, N, V] q each node was drawn from; None: deterministic drafts
+    seeds: torch.Tensor,  # [B] int64
+    positions: torch.Tensor,  # [B] int64, sequence position of the first emitted token (the root's + 1)
+    max_depth: int | None = None,  # D; None: the deepest node (one host sync)
+    max_children: int | None = None,  # C; None: the largest branching (one host sync)
+) -> TreeVerdict:
+    """Lossless tree verification by multi-draft speculative sampling -> :class:`TreeVerdict`.
+
+    At the current node (first the root) let ``p`` be the target's
+    distribution there. Its children ``x_1, x_2, …`` are tried in node order;
+    child ``x_s`` is **accepted** with probability ``min(1, p(x_s) / q_s(x_s))``
+    (test ``u · q_s(x_s) <= p(x_s)``, ``u`` the uniform of lane
+    ``tree_lane(LANE_ACCEPT, s-1)`` at this depth's position), and then the walk
+    descends into it with a fresh ``p``. On rejection ``p <- norm(max(0, p - q_s))``
+    and the next child is tried. If every child is rejected the **recovered**
+    token is drawn from the current ``p`` (lane ``LANE_RESIDUAL``); at a leaf
+    the **bonus** token is drawn from the leaf's untouched ``p`` (``LANE_TARGET``).
+
+    - ``draft_probs is None``, **deterministic drafts** (top-k trees: EAGLE-2,
+      Medusa, n-gram): ``q_s`` is a point mass at ``x_s``, so ``x_s`` is
+      accepted with probability ``p(x_s)`` and a rejection zeroes ``p(x_s)``
+      and renormalises (EAGLE's ``evaluate_posterior``). Repeated sibling
+      tokens are harmless: a rejected token has ``p = 0`` afterwards.
+    - **sampled drafts**: ``draft_probs[b, i]`` is the distribution node ``i``
+      was drawn from; siblings must be drawn *independently* (with
+      replacement; e.g. i.i.d. from their parent's ``q``) — SpecInfer's
+      multi-step speculative sampling. Siblings drawn *without* replacement
+      are not covered by this rule (that needs the recursive rejection
+      sampling of RSD, with ``q`` restricted per sibling).
+    - Passing ``draft_probs=None`` for sampled drafts is lossless too (the
+      point-mass rule is exact for *every* fixed tree, and a tree drawn
+      independently of the verifier's noise is a mixture of fixed trees),
+      whatever way the siblings were drawn; it only accepts less often, as
+      ``p(x) <= min(1, p(x)/q(x))``. So a drafter sampling without
+      replacement can be verified that way. (The reference notes list
+      "q ignored" among the non-exact rules: that holds only if the tree
+      depends on the target's randomness; tests/spec/test_tree_verify.py
+      checks both.)
+
+    Why it is lossless, at one node: ``x_1`` is emitted with probability
+    ``min(p, q_1)(x)``, and it is rejected with probability ``β = Σ max(0, p - q_1)``,
+    after which the rest of the procedure emits from ``p' = max(0, p - q_1) / β``
+    (by induction over the remaining children, drawn independently of ``x_1``;
+    with no children left it samples ``p'``). In all,
+    ``min(p, q_1) + max(0, p - q_1) = p``.
+
+    Index arithmetic (one request, deterministic, ``parents = [[-1, -1, 0]]``,
+    ``positions = [7]``)::
+
+        depth 0 (position 7): row 0's p; try node 0 (lane LANE_ACCEPT),
+              rejected -> p(token 0) := 0, renormalise; try node 1
+              (lane tree_lane(LANE_ACCEPT, 1)), accepted -> row 2
+        depth 1 (position 8): row 2 (node 1) has no children: bonus from
+              row 2's p, lane LANE_TARGET at position 8
+        path = [[0, 2, -1]], tokens = [[tokens[1], bonus, -1]], num_accepted = [1]
+
+    For a chain this is exactly :func:`~specdec.spec.verify.verify_sampled`
+    (same noise, same tokens) with ``positions[:, k] = positions + k``.
+    """
+    b, n = tokens.shape
+    dev = tokens.device
+    d = _max_depth(parents, num_nodes, max_depth)
+    kids = children_table(parents, num_nodes, max_children)  # [B, N+1, C]
+    c_max = kids.shape[2]
+    ar_b = torch.arange(b, device=dev)
+    seeds = seeds.long()
+    cur = torch.zeros(b, dtype=torch.long, device=dev)  # [B] current row
+    alive = torch.ones(b, dtype=torch.bool, device=dev)  # [B] still descending
+    path = torch.full((b, d + 1), -1, dtype=torch.long, device=dev)
+    out = torch.full((b, d + 1), -1, dtype=torch.long, device=dev)
+    path[:, 0] = 0
+    for k in range(d + 1):
+        pos = positions + k  # [B] position of the token emitted at this depth
+        p = target_probs[ar_b, cur]  # [B, V] the current node's distribution (then its residual)
+        my_kids = kids[ar_b, cur]  # [B, C]
+        taken = torch.full((b,), -1, dtype=torch.long, device=dev)  # [B] accepted child (node index)
+        for s in range(c_max if k < d else 0):
+            child = my_kids[:, s]  # [B] node index, -1: none
+            trying = alive & (child >= 0) & (taken < 0)
+            node = child.clamp(min=0)
+            x = tokens[ar_b, node]  # [B]
+            p_x = p.gather(1, x.unsqueeze(1)).squeeze(1)  # [B]
+            u = uniform(seeds, pos, tree_lane(LANE_ACCEPT, s))  # [B]
+            if draft_probs is None:
+                accept = trying & (u <= p_x)
+                resid = p.scatter(1, x.unsqueeze(1), 0.0)  # p without x
+            else:
+                q = draft_probs[ar_b, node]  # [B, V]
+                accept = trying & (u * q.gather(1, x.unsqueeze(1)).squeeze(1) <= p_x)
+                resid = (p - q).clamp(min=0)  # [B, V]
+            mass = resid.sum(1, keepdim=True)  # [B, 1]; 0 only if p == q (then rejection cannot happen)
+            resid = torch.where(mass > 0, resid / mass.clamp(min=torch.finfo(p.dtype).tiny), p)
+            p = torch.where((trying & ~accept).unsqueeze(1), resid, p)
+            taken = torch.where(accept, child, taken)
+        accepted = taken >= 0
+        has_kids = my_kids[:, 0] >= 0
+        recovered = sample_from(p, seeds, pos, LANE_RESIDUAL)  # [B] all children rejected
+        bonus = sample_from(p, seeds, pos, LANE_TARGET)  # [B] a leaf (p untouched there)
+        emitted = torch.where(accepted, tokens[ar_b, taken.clamp(min=0)], torch.where(has_kids, recovered, bonus))
+        out[:, k] = torch.where(alive, emitted, -1)
+        if k == d:
+            break
+        cur = torch.where(accepted, taken + 1, cur)
+        path[:, k + 1] = torch.where(accepted, cur, -1)
+        alive = accepted  # (a row not alive accepts nothing: `trying` was False)
+    return TreeVerdict(path, out, (path >= 0).sum(1) - 1)
+
+
+# -- KV compaction -----------------------------------------------------------------------------
+
+
+def accepted_slot_moves(
+    path: torch.Tensor,  # [B, D+1] rows of the accepted path (TreeVerdict.path), -1 past
+    row_slots: torch.Tensor,  # [B, N+1] KV slot each row of the tree step wrote (row 0 the root)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KV copies that put an accepted path in place -> ``(src [B*(D+1)], dst [B*(D+1)])``.
+
+    A tree step writes row ``r`` of request ``b`` (root, then nodes) at
+    ``row_slots[b, r]``, i.e. at key index ``start_b + r``. The committed
+    context must continue with the accepted path: its ``k``-th row
+    ``path[b, k]`` moves to the ``k``-th row's slot. Example::
+
+        row_slots = [[40, 41, 42, 43, 44]]   # root + 4 nodes
+        path      = [[0, 2, 4, -1]]          # root, node 1, node 3 accepted
+        src       = [40, 42, 44, 40]         # past the path: the root's slot onto itself
+        dst       = [40, 41, 42, 40]
+
+    Fixed size (no host sync): entries past the path copy the root's slot
+    onto itself, which every path starts with, so all writes to one slot
+    carry the same value. With the batch packer, ``row_slots =
+    inputs.slot_mapping[inputs.q_index]`` (each request feeding exactly its
+    tree rows). After :func:`compact_kv` the request's cache holds
+    ``start_b + num_accepted + 1`` tokens (root and accepted path; the
+    emitted recovered / bonus token is fed by the next step).
+    """
+    on = path >= 0  # [B, D+1]
+    root = row_slots[:, :1]  # [B, 1]
+    src = torch.where(on, row_slots.gather(1, path.clamp(min=0)), root)
+    dst = torch.where(on, row_slots[:, : path.shape[1]], root)
+    return src.reshape(-1), dst.reshape(-1)
+
+
+def compact_kv(cache: KVCacheTensors, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """Copies the KV entries at ``src_slots [K]`` to ``dst_slots [K]``, every layer, in place.
+
+    All sources are read before any destination is written, so moves may
+    overlap (``dst[i] = src[j]``, as when an accepted path slides down over
+    rejected rows). ``dst_slots`` may repeat a slot only with the same
+    source (see :func:`accepted_slot_moves`).
+    """
+    for t in (cache.k, cache.v):  # [layers, slots, Hkv, D]
+        t.index_copy_(1, dst_slots, t.index_select(1, src_slots))
