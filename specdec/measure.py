@@ -45,6 +45,7 @@ from specdec.core.kv_cache import OutOfBlocks
 from specdec.core.pipeline_model import DecoderPipelineModel
 from specdec.spec.forward_time import forward_time
 from specdec.spec.metrics import analytic_limit
+from specdec.spec.proposers.base import Proposer
 
 if TYPE_CHECKING:
     from specdec.api import LLM
@@ -193,7 +194,8 @@ def efficiency(speedup: float | None, limit: float | None) -> float | None:
 
 
 def bare_forward_times(
-    runs: Mapping[K, tuple[DecoderPipelineModel, int]], ctx_len: int, *, rounds: int = 5, repeats: int = 10
+    runs: Mapping[K, tuple[DecoderPipelineModel, int] | Callable[[int, int], float]], ctx_len: int, *,
+    rounds: int = 5, repeats: int = 10,
 ) -> dict[K, float]:
     """Median bare forward times of several ``key -> (model, n tokens)`` runs, interleaved.
 
@@ -207,9 +209,12 @@ def bare_forward_times(
     """
     per: dict[K, list[float]] = {k: [] for k in runs}
     for _ in range(rounds):
-        for k, (pm, n) in runs.items():
+        for k, run in runs.items():
             try:
-                per[k].append(forward_time(pm, n, ctx_len, repeats=repeats))
+                if callable(run):  # a drafter's own timer: (ctx_len, repeats) -> seconds
+                    per[k].append(run(ctx_len, repeats))
+                else:
+                    per[k].append(forward_time(run[0], run[1], ctx_len, repeats=repeats))
             except OutOfBlocks as e:
                 raise OutOfBlocks(f"a bare forward at context {ctx_len} does not fit in the KV cache ({e}); "
                                   "raise runtime.num_blocks") from None
@@ -220,17 +225,19 @@ def limit_forward_times(
     methods: Mapping[str, LLM], ctx_len: int, *, rounds: int = 5, repeats: int = 10
 ) -> dict[str, ForwardTimes]:
     """Per speculative method (its ``LLM``): T_target(1) and T_target(γ+1) of its
-    target, T_draft(1) of its draft model (0 without one), all interleaved.
+    target, T_draft(1) of its drafter's one-token forward (a draft model's, an
+    EAGLE head's step; 0 for a model-free method), all interleaved.
 
     γ is the method's ``num_speculative_tokens`` (adaptive γ: the most it drafts).
     """
-    runs: dict[tuple[str, str], tuple[DecoderPipelineModel, int]] = {}
+    runs: dict[tuple[str, str], tuple[DecoderPipelineModel, int] | Callable[[int, int], float]] = {}
     for name, llm in methods.items():
         pipe = llm.pipeline
         runs[name, "t1"] = (pipe.target, 1)
         runs[name, "tg"] = (pipe.target, int(llm.method.num_speculative_tokens) + 1)
-        if pipe.draft_model is not None:
-            runs[name, "td"] = (pipe.draft_model, 1)
+        proposer = pipe.proposer
+        if proposer.draft_model is not None or type(proposer).draft_forward_time is not Proposer.draft_forward_time:
+            runs[name, "td"] = proposer.draft_forward_time
     t = bare_forward_times(runs, ctx_len, rounds=rounds, repeats=repeats)
     return {n: ForwardTimes(t[n, "t1"], t[n, "tg"], t.get((n, "td"), 0.0)) for n in methods}
 
