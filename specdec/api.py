@@ -101,6 +101,11 @@ def build_pipeline(target: str | Path, method: ProposerConfig | None, runtime: R
     """
     if method is None:
         return PlainGeneration(registered_pipeline_model(target, runtime), runtime.max_seq_len)
+    if runtime.data_parallel_degree > 1:  # one speculative pipeline per replica (specdec/dist/replicas.py)
+        from specdec.dist.replicas import Replicas
+
+        one = replace(runtime, data_parallel_degree=1)
+        return Replicas.build(runtime.data_parallel_degree, lambda r: build_pipeline(target, method, one))
     from specdec.spec.gamma import GammaPolicyConfig
     from specdec.spec.pipeline import SpecConfig, SpecDecodePipelineModel
     from specdec.spec.proposers import ProposerDeps, proposer_for
@@ -108,6 +113,7 @@ def build_pipeline(target: str | Path, method: ProposerConfig | None, runtime: R
     gamma = method.num_speculative_tokens
     target_pm = registered_pipeline_model(target, runtime, extra_tokens=gamma + 1)
     proposer = proposer_for(method)(method, ProposerDeps(runtime=runtime, target=target_pm))
+    gamma = min(gamma, getattr(proposer, "max_speculative_tokens", None) or gamma)  # e.g. Medusa: K heads
     spec = SpecConfig(num_speculative_tokens=gamma, gamma_policy=GammaPolicyConfig(adaptive=method.adaptive_gamma))
     return SpecDecodePipelineModel(target_pm, proposer, spec, max_seq_len=runtime.max_seq_len)
 
@@ -155,6 +161,10 @@ class LLM:
         self.target = target
         self.method = method_config(method)  # checked before anything loads
         self.runtime, self.engine_config = split_settings(runtime, engine_config, settings)
+        from specdec.dist.data_parallel import localize
+
+        # Under torchrun: join the launch; data parallelism is then across processes (generate shards).
+        self.dist, self.runtime = localize(self.runtime)
         if self.runtime.threads:
             import torch
 
@@ -169,7 +179,8 @@ class LLM:
         return f"LLM(target={str(self.target)!r}, method={self.method!r})"
 
     def new_engine(self) -> Engine:
-        return Engine(self.pipeline, self.engine_config, eos_token_ids=self.eos_token_ids, tokenizer=self.tokenizer)
+        return Engine(self.pipeline, self.engine_config, eos_token_ids=self.eos_token_ids, tokenizer=self.tokenizer,
+                      num_replicas=self.runtime.data_parallel_degree)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -227,6 +238,10 @@ class LLM:
                             f"got {type(sampling).__name__}")
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        if self.dist.dp > 1:  # torchrun: this replica's share, every replica's outputs merged
+            from specdec.dist.data_parallel import generate_sharded
+
+            return generate_sharded(self, prompts, params)
         engine = self.new_engine()
         ctxs = [self._add(engine, p, sp, f"req-{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
         engine.run()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,9 @@ from specdec.conf_schema import config_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_SILENT", "true")
+# conf/hydra/launcher/submitit_*.yaml set specdec's defaults over the launcher plugin's schema of the
+# same name (validated against it, which is what they are for): not a problem to warn about.
+warnings.filterwarnings("ignore", message=r"(?s).*hydra/launcher/submitit_\w+' is validated against ConfigStore schema")
 
 
 def _fail(what: str, e: BaseException, code: int) -> SystemExit:
@@ -82,10 +86,36 @@ def _check_resume_dir(args: Sequence[str]) -> None:
                 raise _fail("error", e, 2) from None
 
 
+def _follower_args(args: list[str]) -> list[str]:
+    """Under ``torchrun``, a rank other than 0 writes nothing: Hydra's run dir
+    for it is a temporary directory (removed at exit) and it logs warnings only;
+    rank 0's run dir holds the run (specdec/dist)."""
+    from specdec.dist.group import env_rank, env_world_size
+
+    if env_world_size() <= 1 or env_rank() == 0 or {"-m", "--multirun"} & set(args):
+        return args
+    import atexit
+    import logging
+    import shutil
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix=f"specdec-rank{env_rank()}-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    logging.getLogger().setLevel(logging.WARNING)
+    return [*args, f"hydra.run.dir={tmp}", "hydra.output_subdir=null", "hydra/job_logging=disabled",
+            "hydra/hydra_logging=disabled", "progress=false"]
+
+
 def main() -> None:
     """The ``specdec`` console script (arguments: Hydra overrides)."""
     _check_resume_dir(sys.argv[1:])
-    _main()
+    sys.argv[1:] = _follower_args(sys.argv[1:])
+    try:
+        _main()
+    finally:
+        from specdec.dist import shutdown
+
+        shutdown()
 
 
 if __name__ == "__main__":

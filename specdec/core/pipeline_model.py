@@ -53,14 +53,19 @@ class RuntimeConfig:
     max_seq_len: int = 1024
     block_size: int = 16
     num_blocks: int | None = None  # None: enough for max_batch_size full sequences
+    # Replicas, each on its share of the requests: in one process, replicas of the module
+    # (the batch processor's replica concat and splits); under torchrun, processes.
     data_parallel_degree: int = 1
+    # Ranks one model is split across (heads, MLP columns, vocabulary; specdec/dist): torchrun
+    # --nproc-per-node <tensor_parallel_degree × data_parallel_degree> -m specdec.run ...
+    tensor_parallel_degree: int = 1
     dtype: str | None = "float32"  # None: the checkpoint's declared dtype
     device: str = "cpu"
     compile: bool = False  # torch.compile each decoder (dynamic shapes); the first calls compile
     threads: int | None = None  # torch.set_num_threads for a run; None: torch's default
 
     def __post_init__(self) -> None:
-        for k in ("max_batch_size", "max_seq_len", "block_size", "data_parallel_degree"):
+        for k in ("max_batch_size", "max_seq_len", "block_size", "data_parallel_degree", "tensor_parallel_degree"):
             if getattr(self, k) < 1:
                 raise ValueError(f"runtime.{k} must be >= 1, got {getattr(self, k)}")
         for k in ("num_blocks", "threads"):
@@ -143,8 +148,13 @@ class DecoderPipelineModel:
         """
         if self._built is None:
             cls = type(self.module)
-            built = cls.build_module(BuildContext(config=self.config, state_dict=self.module.state_dict()),
-                                     type(self.config))  # type: ignore[attr-defined]
+            if getattr(self.module, "tp", None) is not None:  # a tensor-parallel shard: split the same way
+                from specdec.dist.tensor_parallel import rebuild_like
+
+                built = rebuild_like(self.module)
+            else:
+                built = cls.build_module(BuildContext(config=self.config, state_dict=self.module.state_dict()),
+                                         type(self.config))  # type: ignore[attr-defined]
             self._prepare(built)
             self.modules[0] = self._built = built
         return self._built
@@ -232,22 +242,32 @@ def registered_pipeline_model(
     """
     check_device(runtime.device)
     dtype = getattr(torch, runtime.dtype) if runtime.dtype else None
+    tp, build = runtime.tensor_parallel_degree, None
+    if tp > 1:  # this rank's shard only (specdec/dist); the process group comes from torchrun's env
+        from specdec.dist import init_from_env, tensor_parallel
+
+        if runtime.data_parallel_degree > 1:
+            raise ValueError("runtime.tensor_parallel_degree > 1 runs one replica per process: data "
+                             "parallelism with it is across processes (torchrun), not replicas in one")
+        build = tensor_parallel.loader(init_from_env(tensor_parallel_degree=tp, device=runtime.device))
     if isinstance(checkpoint, LoadedDecoder):
         loaded = checkpoint
         check_positions(loaded.config, runtime, loaded.path)
     else:
         path = Path(checkpoint)
         loaded = load_decoder(path, role=role, dtype=dtype, device=runtime.device,
-                              check=lambda config: check_positions(config, runtime, path))
+                              check=lambda config: check_positions(config, runtime, path), build=build)
     module, config = loaded.module, loaded.config
     module_cls = type(module)
     if runtime.data_parallel_degree > 1 and not getattr(module_cls, "supports_data_parallel", False):
         raise ValueError(f"{module_cls.__name__} does not support data parallelism")
+    # A tensor-parallel rank holds num_key_value_heads / degree heads of each layer's cache.
+    kv_heads = config.num_key_value_heads // (tp if getattr(module, "tp", None) is not None else 1)
     modules = [module] + [copy.deepcopy(module) for _ in range(runtime.data_parallel_degree - 1)]
     wdtype = next(module.parameters()).dtype
     kv_params = KVCacheParams(
         num_layers=config.num_hidden_layers,
-        num_kv_heads=config.num_key_value_heads,
+        num_kv_heads=kv_heads,
         head_dim=config.head_dim,
         block_size=runtime.block_size,
         num_blocks=runtime.blocks(extra_tokens),

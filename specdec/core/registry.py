@@ -50,11 +50,16 @@ class DecoderModule(nn.Module):
       checkpoint lacks is an error either way.
     - ``override_quantization_encoding``: the checkpoint's dtype wins over the
       dtype a weight declares (otherwise weights are cast to the declared one).
+    - ``tp_plan``: how the decoder splits across tensor-parallel ranks
+      (module-name patterns -> styles, see :mod:`specdec.dist.tensor_parallel`).
     """
 
     supports_data_parallel: ClassVar[bool] = False
     strict_state_dict_loading: ClassVar[bool] = True
     override_quantization_encoding: ClassVar[bool] = False
+    # Tensor parallelism: module-name pattern -> style (specdec/dist/tensor_parallel.py);
+    # None: the decoder runs on one device only.
+    tp_plan: ClassVar[dict[str, str] | None] = None
 
     # Filled by ``register``.
     role: ClassVar[Role | None] = None

@@ -144,11 +144,6 @@ def _sigterm_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
-def _batches(items: Sequence[Request], size: int) -> Iterator[list[Request]]:
-    for i in range(0, len(items), size):
-        yield list(items[i : i + size])
-
-
 def _first_error(recs: Sequence[dict[str, Any]]) -> str:
     """``<request id> in <pipeline>: <error>`` of the first failed request."""
     return next(f"{r['id']} in {name}: {e['error']}" for r in recs
@@ -165,6 +160,11 @@ def _run(cfg: DictConfig | RunConfig, run_dir: str | Path | None) -> dict[str, A
     rc = to_run_config(cfg)
     comps = build_components(rc)
     check_checkpoints(comps)
+    from specdec.dist import data_parallel as dp
+
+    dctx, _ = dp.localize(rc.runtime)  # under torchrun: join the launch; rank 0 alone writes
+    if not dctx.is_writer:
+        return dp.follow(rc, comps)
     resuming = rc.resume or rc.resume_dir is not None
     rdir = resolve_run_dir(rc, run_dir)
     make_run_dir(rdir)
@@ -221,7 +221,9 @@ def _run(cfg: DictConfig | RunConfig, run_dir: str | Path | None) -> dict[str, A
                 **summarize(recs, gammas=gammas, greedy=comps.sampling.greedy, forward_times=timings or None)}
 
     pipelines = "plain" + "".join(f" + {n}" for n in comps.methods)
+    first_batch = max((r.get("batch", -1) for r in store.records.values()), default=-1) + 1
     try:
+        dp.lead(dctx, pending, first_batch)  # the other ranks run the same requests (their share)
         if pending:
             with progress.phase(f"loading models ({pipelines})"):
                 runner = Runner(comps, save_outputs=rc.save_outputs)
@@ -229,17 +231,17 @@ def _run(cfg: DictConfig | RunConfig, run_dir: str | Path | None) -> dict[str, A
             if rc.warmup and reqs:
                 with progress.phase(f"warm-up ({rc.warmup} request(s) of {rc.warmup_tokens} tokens per pipeline)"):
                     runner.warmup(reqs, rc.warmup, rc.warmup_tokens)
-            first_batch = max((r.get("batch", -1) for r in store.records.values()), default=-1) + 1
             with progress:
                 progress.start_requests(f"{pipelines}; batch {rc.batch_size}")
-                for b, batch in enumerate(_batches(reqs, rc.batch_size), start=first_batch):
-                    done = runner.run_batch(batch, b)
+                # One process: batch after batch. torchrun: each replica its share, records merged here.
+                for done in dp.run_batches(runner, reqs, rc.batch_size, first_batch, dctx):
                     for rec in done:
                         store.append(rec)
                         logger.log_request(request_metrics(rec), step=len(store.records))
                     so_far = current_summary()
                     write_json(rdir / SUMMARY_FILE, so_far)
                     progress.update(len(done), so_far)
+            dp.lead_timing(dctx, bool(comps.methods and not timings and reqs))
             if comps.methods and not timings:  # bare forward times for the analytic limit
                 ctx_len = int(sum(len(r.ids) for r in reqs) / len(reqs)) + comps.sampling.max_new_tokens // 2
                 try:
