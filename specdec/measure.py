@@ -336,6 +336,25 @@ def checkpoint(option: str, builtin: Path | None, **random: Any) -> Path:
     return builtin if option == "builtin" and builtin is not None else random_checkpoint(**random)
 
 
+def zoo_drafter(name: str) -> Path | None:
+    """The shipped checkpoint of drafting method ``name`` for the built-in target
+    (``specdec/zoo/code-draft`` for draft_model, ``code-eagle``, ``code-eagle3`` …), or None."""
+    d = ZOO_DIR / ("code-draft" if name == "draft_model" else f"code-{name.replace('_', '-')}")
+    return d if (d / "model.safetensors").is_file() else None
+
+
+def random_head(target: Path, kind: str, seed: int = 0) -> Path:
+    """A random EAGLE head (``kind`` eagle / eagle3) for ``target``, saved in its published layout."""
+    from specdec.core.checkpoint import read_hf_config
+    from specdec.models.config import LlamaConfig
+    from specdec.models.eagle import EagleHeadConfig, new_head, save_head
+
+    tcfg = LlamaConfig.from_dict(read_hf_config(target))
+    head = new_head(EagleHeadConfig.from_target(kind, tcfg), seed)
+    return save_head(head, Path(tempfile.mkdtemp(prefix=f"specdec-{kind}-")),
+                     num_target_layers=tcfg.num_hidden_layers)[0].parent
+
+
 def random_checkpoint(*, layers: int, hidden: int = 256, vocab: int = 4096, seed: int = 0,
                       heads: int = 8, kv_heads: int = 4, out: Path | None = None) -> Path:
     """Saves a random Llama checkpoint in HF format (with transformers) and returns its dir."""

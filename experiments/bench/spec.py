@@ -9,8 +9,13 @@ size, interleaved passes) and efficiency = speedup / analytic limit, the limit
 from bare forward times of the method's own models timed in the same run
 (definitions: :mod:`specdec.measure`). Last line (JSON): ``efficiency_batch1``
 (of the fastest proposer/γ at batch 1), ``best``, the best ``speedup`` and its
-``tau`` per proposer, ``outputs_equal`` (every greedy output matched plain
-decoding) and the ``machine``.
+``tau`` per proposer, ``at_gamma4`` (τ, speedup and efficiency of every
+proposer at γ = 4, the issue goals' operating point), ``outputs_equal`` (every
+greedy output matched plain decoding) and the ``machine``.
+
+Drafters that take a checkpoint get the shipped one for the built-in target
+(``specdec/zoo/code-draft``, ``code-eagle``, ``code-eagle3`` …; a proposer
+without one is skipped, saying so) or, on a random target, a random one.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from specdec.measure import (
     load_config,
     outputs_equal,
     print_table,
+    random_head,
+    zoo_drafter,
 )
 from specdec.spec.proposers import ProposerConfig, config_class
 
@@ -48,7 +55,7 @@ class SpecBenchConfig:
     quick: bool = False
     target: str = "builtin"  # "builtin", "random" or a checkpoint dir
     draft: str = "builtin"  # the `path` of proposers that take one: "builtin", "random" or a checkpoint dir
-    proposers: list[str] = field(default_factory=lambda: ["draft_model", "ngram"])
+    proposers: list[str] = field(default_factory=lambda: ["draft_model", "ngram", "eagle", "eagle3"])
     gammas: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     num_prompts: int = 8
     new_tokens: int = 64
@@ -72,11 +79,20 @@ def inputs(cfg: SpecBenchConfig) -> tuple[Path, Path, list[list[int]]]:
     return target, draft, prompts
 
 
-def method(name: str, gamma: int, draft: Path) -> ProposerConfig:
-    """Proposer ``name``'s config at γ (with ``path=draft`` when it takes a checkpoint)."""
-    cls = config_class(name)
-    extra = {"path": str(draft)} if any(f.name == "path" for f in dataclasses.fields(cls)) else {}
-    return cls(num_speculative_tokens=gamma, **extra)
+def drafter_path(name: str, cfg: SpecBenchConfig, target: Path, draft: Path) -> Path | None:
+    """The checkpoint proposer ``name`` drafts with (None: it takes none, or none is shipped)."""
+    if not any(f.name == "path" for f in dataclasses.fields(config_class(name))):
+        return None
+    if name == "draft_model":
+        return draft
+    if cfg.target == "builtin" and builtin_pair() is not None:
+        return zoo_drafter(name)
+    return random_head(target, name) if name in ("eagle", "eagle3") else None
+
+
+def method(name: str, gamma: int, path: Path | None) -> ProposerConfig:
+    """Proposer ``name``'s config at γ (with ``path`` when it takes a checkpoint)."""
+    return config_class(name)(num_speculative_tokens=gamma, **({"path": str(path)} if path else {}))
 
 
 def main(argv: list[str]) -> None:
@@ -92,9 +108,14 @@ def main(argv: list[str]) -> None:
     sp = SamplingParams(max_new_tokens=cfg.new_tokens, ignore_eos=True)
     warm = SamplingParams(max_new_tokens=8, ignore_eos=True)
 
-    grid = {f"{n} γ={g}": (n, g) for n in cfg.proposers for g in cfg.gammas}
+    paths = {n: drafter_path(n, cfg, target, draft) for n in cfg.proposers}
+    takes_path = {n for n in cfg.proposers if any(f.name == "path" for f in dataclasses.fields(config_class(n)))}
+    for n in sorted(n for n in takes_path if paths[n] is None):
+        print(f"skipping {n}: no checkpoint for it here (specdec/zoo has none for this target)")
+    names = [n for n in cfg.proposers if n not in takes_path or paths[n] is not None]
+    grid = {f"{n} γ={g}": (n, g) for n in names for g in cfg.gammas}
     llms = {"plain": LLM(target, runtime=runtime, engine_config=engine_cfg)}
-    llms |= {k: LLM(target, method=method(n, g, draft), runtime=runtime, engine_config=engine_cfg)
+    llms |= {k: LLM(target, method=method(n, g, paths[n]), runtime=runtime, engine_config=engine_cfg)
              for k, (n, g) in grid.items()}
     runs = {k: Run(lambda llm=llm: llm.generate(prompts, sp), warmup=lambda llm=llm: llm.generate(prompts[:1], warm),
                    before=llm.pipeline.reset_stats) for k, llm in llms.items()}
@@ -130,6 +151,8 @@ def main(argv: list[str]) -> None:
         "best": f"{best['proposer']} gamma={best['gamma']}",
         "speedup": {p: round(r["speedup"], 3) for p, r in best_by.items()},
         "tau": {p: round(r["tau"], 3) for p, r in best_by.items()},
+        "at_gamma4": {r["proposer"]: {"tau": round(r["tau"], 3), "speedup": round(r["speedup"], 3),
+                                      "efficiency": round(r["efficiency"], 3)} for r in rows if r["gamma"] == 4},
         "outputs_equal": all(r["equal"] for r in rows),
     })
 
