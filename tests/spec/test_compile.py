@@ -6,7 +6,7 @@ went astray still yields exact output (verification fixes it) but drafts
 garbage.
 
 Compiling takes a while on 2 cores (tens of seconds for the lot), so this
-module is one test over one tiny pair.
+module is one test over one tiny pair (and one over an EAGLE-3 head).
 """
 
 from __future__ import annotations
@@ -51,3 +51,36 @@ def test_compiled_speculation_matches_eager(tiny_llama) -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-q"])
+
+
+def test_compiled_eagle_heads_draft_what_eager_ones_draft(tiny_llama, monkeypatch) -> None:
+    # The head is compiled too (its one-layer paged forward, catch-up and
+    # one-token steps): every step's drafts must be the eager head's drafts,
+    # token for token, so a KV write that went astray under compile shows.
+    from eagle_heads import head_for  # tests/spec/eagle_heads.py
+
+    from specdec.spec.proposers.eagle import Eagle3Config, EagleDrafter
+
+    target = tiny_llama(vocab=64, seed=0)
+    prompts = [[3, 5, 7, 11, 13, 17, 19], [1, 2], list(range(30))]
+    sp = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    method = Eagle3Config(path=str(head_for(target, "eagle3-small-vocab")), num_speculative_tokens=3)
+    real = EagleDrafter.draft_after
+    drafts: list[list[int]] = []
+
+    def spy(self, step, gamma, sampling):
+        tree = real(self, step, gamma, sampling)
+        drafts.extend(tree.tokens.tolist())
+        return tree
+
+    monkeypatch.setattr(EagleDrafter, "draft_after", spy)
+    runs = {}
+    for compile_ in (False, True):
+        drafts.clear()
+        rt = RuntimeConfig(max_batch_size=2, max_seq_len=96, compile=compile_)
+        spec = LLM(target.path, method=method, runtime=rt, engine_config=EngineConfig(max_batch_size=2))
+        if compile_:
+            assert spec.pipeline.proposer.head._compiled_call_impl is not None
+        runs[compile_] = ([o.token_ids for o in spec.generate(prompts, sp)], list(drafts))
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] == runs[False][1] and len(runs[False][1]) > 10
