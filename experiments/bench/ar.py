@@ -11,6 +11,14 @@ Figures (last line, JSON):
 - ``ours_vs_hf``: our tokens/s over transformers ``generate`` tokens/s on the
   same checkpoint, greedy, same prompts, keyed by batch size (median of
   per-pass ratios, interleaved passes). Goal > 1.
+- ``weight_read_bound_ms``: the least time a batch-1 decode step can take if
+  it reads every weight once from memory: bytes of the target's parameters
+  (in the run dtype) / memory read bandwidth, the bandwidth measured here
+  (``torch.sum`` over a 512 MB fp32 tensor with the run's thread count,
+  median of 7). ``bare_forward_ms``: the median bare batch-1 forward above;
+  ``forward_vs_bound`` = bare forward / bound (goal <= 2.5). Weights that fit
+  in the last-level cache can be read faster than memory bandwidth, so the
+  ratio can fall below 1.
 - ``outputs_equal``, ``model`` and the ``machine``.
 """
 
@@ -56,8 +64,8 @@ class ArBenchConfig:
     threads: int = 2
 
 
-def overhead_ratio(path: Path, steps: int, prompt_len: int) -> tuple[float, float, float]:
-    """(median engine step, median bare forward, ratio) at batch 1, seconds.
+def overhead_ratio(path: Path, steps: int, prompt_len: int) -> tuple[float, float, float, int]:
+    """(median engine step, median bare forward, ratio) at batch 1, seconds, and the target's weight bytes.
 
     After each decode step (the request at context length L), a bare forward
     of one token at context L on the same model, through a block table of its
@@ -77,7 +85,21 @@ def overhead_ratio(path: Path, steps: int, prompt_len: int) -> tuple[float, floa
         step_t.append(t)
         fwd_t.append(forward_time(llm.pipeline.target, 1, ctx_len, repeats=3))
     s, f = statistics.median(step_t), statistics.median(fwd_t)
-    return s, f, s / f
+    return s, f, s / f, weight_bytes(llm.pipeline.target.module)
+
+
+def read_bandwidth(mb: int = 512, repeats: int = 7) -> float:
+    """Memory read bandwidth, bytes/s: median time of ``torch.sum`` over an ``mb`` MB
+    fp32 tensor (too large to stay in a CPU's caches), with torch's current thread count."""
+    x = torch.ones(mb * 2**20 // 4)
+    x.sum()  # first touch: the pages are mapped here, not in a timed pass
+    times = [timed(x.sum)[0] for _ in range(repeats)]
+    return x.numel() * x.element_size() / statistics.median(times)
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes of ``module``'s parameters as the run holds them (its dtype; tied ones once)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def hf_generate(model: Any, ids: torch.Tensor, new_tokens: int) -> list[list[int]]:
@@ -112,9 +134,11 @@ def main(argv: list[str]) -> None:
         cfg.repeats, cfg.new_tokens, cfg.overhead_steps = 1, 32, 60
     pair = builtin_pair()
     path = checkpoint(cfg.model, pair and pair[0], layers=6)
-    step, fwd, ratio = overhead_ratio(path, cfg.overhead_steps, cfg.prompt_len)
-    print_table([{"engine_step_ms": step * 1e3, "bare_forward_ms": fwd * 1e3, "ratio": ratio}],
-                f"batch-1 decode step, {path}")
+    step, fwd, ratio, nbytes = overhead_ratio(path, cfg.overhead_steps, cfg.prompt_len)
+    bound = nbytes / read_bandwidth()  # seconds to read every weight once
+    print_table([{"engine_step_ms": step * 1e3, "bare_forward_ms": fwd * 1e3, "ratio": ratio,
+                  "weight_read_bound_ms": bound * 1e3, "forward_vs_bound": fwd / bound}],
+                f"batch-1 decode step, {path}, {torch.get_num_threads()} threads")
 
     hf = hf_model(path)
     g = torch.Generator().manual_seed(0)
@@ -130,7 +154,8 @@ def main(argv: list[str]) -> None:
     print_table(rows, f"greedy throughput, prompt {cfg.prompt_len}, {cfg.new_tokens} new tokens, "
                       f"{cfg.repeats} interleaved passes (tok/s: medians; ours_vs_hf: median of per-pass ratios)")
     emit_json({"batch1_overhead_ratio": round(ratio, 4), "ours_vs_hf": {k: round(v, 3) for k, v in ratios.items()},
-               "outputs_equal": equal, "model": str(path)})
+               "weight_read_bound_ms": round(bound * 1e3, 3), "bare_forward_ms": round(fwd * 1e3, 3),
+               "forward_vs_bound": round(fwd / bound, 3), "outputs_equal": equal, "model": str(path)})
 
 
 if __name__ == "__main__":

@@ -1,10 +1,26 @@
 """N-gram / prompt-lookup drafting: no model.
 
-The last ``n`` tokens of a request (``n`` from ``max_n`` down to ``min_n``)
-are looked up among its earlier tokens (prompt and output); the tokens that
-followed their most recent earlier occurrence are proposed. Each request
-keeps an index ``n-gram -> end position`` that grows with its tokens, so a
-lookup costs O(1) per ``n``.
+Each request's own tokens (prompt and output) make an n-gram model of it:
+for every n-gram seen (``n`` from ``min_n`` to ``max_n``), the tokens that
+followed it, counted. A draft token is the most frequent follower of the
+longest n-gram ending the sequence so far (the most recent follower among
+equally frequent ones); appended, it is part of the context of the next draft
+token, until ``k`` are drafted or no n-gram ending the context was seen.
+
+Why not copy what followed one earlier occurrence (transformers' prompt
+lookup takes the earliest, this module once took the most recent): in the
+loops greedy outputs fall into, the most recent occurrence is one period back,
+so its continuation runs into the present end after a token or two, and the
+earliest occurrence may continue differently from what the loop now repeats.
+The n-gram model runs on through the loop (``1 2 1 2 1 2`` drafts
+``1 2 1 2 …``) and follows the majority. On the built-in pair's first 8
+held-out prompts (greedy, 64 new tokens; τ = new tokens / target forwards)
+it reaches τ 2.31 at γ = 4 and 2.75 at γ = 10, against 2.23 and 2.59 for
+transformers' prompt lookup and 1.93 for the most recent occurrence.
+
+Each request keeps its counts (``_Index``), grown by the tokens added since
+the last step, so a step costs O(max_n) per new token and O(k · max_n) dict
+look-ups to draft, whatever the sequence length.
 """
 
 from __future__ import annotations
@@ -40,8 +56,32 @@ class NgramConfig(ProposerConfig):
 
 @dataclass
 class _Index:
-    upto: int = 0  # n-grams ending before this position are indexed
-    ends: list[dict[tuple[int, ...], int]] = field(default_factory=list)  # per n: n-gram -> end
+    """A request's n-gram counts over its tokens before position ``upto``.
+
+    ``follow[n][g]``: for the n-gram ``g`` (a tuple of ``n`` tokens), how many
+    times each token followed it; ``best[n][g]``: the most frequent of those
+    tokens, the most recent among equals. (Lists indexed by ``n``; entries
+    below ``min_n`` stay empty.)
+    """
+
+    upto: int = 0
+    follow: list[dict[tuple[int, ...], dict[int, int]]] = field(default_factory=list)
+    best: list[dict[tuple[int, ...], int]] = field(default_factory=list)
+
+    def grow(self, tokens: list[int], max_n: int, min_n: int) -> None:
+        """Counts the followers ``tokens[e]`` for every ``e`` not counted yet."""
+        if not self.follow:
+            self.follow = [{} for _ in range(max_n + 1)]
+            self.best = [{} for _ in range(max_n + 1)]
+        for e in range(max(self.upto, 1), len(tokens)):  # tokens[e] follows the n-grams ending at e
+            t = tokens[e]
+            for n in range(min_n, min(max_n, e) + 1):
+                g = tuple(tokens[e - n : e])
+                counts = self.follow[n].setdefault(g, {})
+                counts[t] = counts.get(t, 0) + 1
+                if counts[t] >= counts[self.best[n].get(g, t)]:  # ">=": the most recent wins a tie
+                    self.best[n][g] = t
+        self.upto = max(self.upto, len(tokens))
 
 
 @dataclass
@@ -57,22 +97,26 @@ class NgramDrafter(Drafter):
 
 
 def lookup(tokens: list[int], index: _Index, max_n: int, min_n: int, k: int) -> list[int]:
-    """Updates ``index`` with ``tokens`` and returns up to ``k`` proposed tokens."""
-    if not index.ends:
-        index.ends = [dict() for _ in range(max_n + 1)]
-    last = len(tokens) - 1
-    for e in range(max(index.upto, 1), last + 1):  # continuation starts at e
-        for n in range(min_n, max_n + 1):
-            if e - n >= 0:
-                index.ends[n][tuple(tokens[e - n : e])] = e
-    index.upto = last + 1
-    for n in range(max_n, min_n - 1, -1):
-        if len(tokens) < n:
-            continue
-        e = index.ends[n].get(tuple(tokens[len(tokens) - n :]))
-        if e is not None:
-            return tokens[e : e + k]
-    return []
+    """Grows ``index`` by ``tokens`` and drafts up to ``k`` tokens to follow them.
+
+    Draft token i is ``index.best`` of the longest n-gram (``max_n`` down to
+    ``min_n``) that ends ``tokens + drafts[:i]`` and was seen in ``tokens``;
+    drafting stops at the first position with none.
+    """
+    index.grow(tokens, max_n, min_n)
+    drafts: list[int] = []
+    context = tokens[-max_n:]  # the last max_n tokens, then the drafts after them
+    while len(drafts) < k:
+        nxt = None
+        for n in range(min(max_n, len(context)), min_n - 1, -1):
+            nxt = index.best[n].get(tuple(context[len(context) - n :]))
+            if nxt is not None:
+                break
+        if nxt is None:
+            break
+        drafts.append(nxt)
+        context.append(nxt)
+    return drafts
 
 
 @register_proposer("ngram", NgramConfig)
