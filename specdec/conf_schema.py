@@ -202,7 +202,7 @@ def method_configs(node: dict[str, Any], selected: list[str] | None = None) -> d
         except KeyError as e:
             raise ConfigError(f"method.{name}: {e.args[0]}") from None
         try:
-            merged = OmegaConf.merge(OmegaConf.structured(cls), {**shared, **sub})
+            merged = OmegaConf.merge(_writable(OmegaConf.structured(cls)), {**shared, **sub})  # (nested: tree)
             out[name] = OmegaConf.to_object(merged)  # type: ignore[assignment]
         except OmegaConfBaseException as e:
             key = getattr(e, "full_key", None)

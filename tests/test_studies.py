@@ -135,6 +135,18 @@ def test_batch_study(pair: tuple[Path, Path], tmp_path: Path) -> None:
     assert data["outputs_equal"] is True
 
 
+def test_tree_budget_study(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    tb = _study("tree_budget")
+    cfg = tb.TreeBudgetStudyConfig(**_tiny(pair, tmp_path, budgets=[2, 4], top_k=2, depth=3))
+    data = _written(tb.run(cfg), "tree_budget")
+    rows = data["rows"]
+    assert [(r["budget"], r["shape"]) for r in rows] == [(2, "chain"), (2, "tree"), (4, "chain"), (4, "tree")]
+    for r in rows:
+        _counts_agree(r, r["budget"])
+        assert r["speedup"] > 0 and r["equal"] is True and r["tree_size"] <= r["budget"]
+    assert data["outputs_equal"] is True
+
+
 class _FakeRun:
     id = "fake-1"
 

@@ -13,6 +13,16 @@ from bare forward times of the method's own models timed in the same run
 proposer at γ = 4, the issue goals' operating point), ``outputs_equal`` (every
 greedy output matched plain decoding) and the ``machine``.
 
+Token trees: every proposer in ``trees`` (one whose config has a ``tree``
+field) also runs as ``<name>_tree``, an EAGLE-2-style dynamic tree
+(``tree_top_k``, ``tree_depth``) whose node budget (``total_tokens``, the
+method's γ for a tree) takes each value of ``tree_budgets``. Those rows sit
+beside the chains (``best``, ``speedup``, ``tau`` name them ``<name>_tree``);
+``tree_budget`` in the JSON gives τ, speedup, mean tree size and accepted
+length per step against the budget. Their analytic limit counts the tree's
+draft forwards (``tree_depth`` of them: the catch-up and one per level below
+the first) rather than γ.
+
 Drafters that take a checkpoint get the shipped one for the built-in target
 (``specdec/zoo/code-draft``, ``code-eagle``, ``code-eagle3`` …; a proposer
 without one is skipped, saying so) or, on a random target, a random one.
@@ -64,6 +74,10 @@ class SpecBenchConfig:
     threads: int = 2
     device: str = "cpu"  # cuda: see gpu.sh
     compile: bool = False  # runtime.compile for every pipeline
+    trees: list[str] = field(default_factory=lambda: ["draft_model"])  # also run as <name>_tree (dynamic tree)
+    tree_budgets: list[int] = field(default_factory=lambda: [4, 8, 16])  # nodes per request per step
+    tree_top_k: int = 4
+    tree_depth: int = 5
 
 
 def inputs(cfg: SpecBenchConfig) -> tuple[Path, Path, list[list[int]]]:
@@ -90,9 +104,20 @@ def drafter_path(name: str, cfg: SpecBenchConfig, target: Path, draft: Path) -> 
     return random_head(target, name) if name in ("eagle", "eagle3") else None
 
 
-def method(name: str, gamma: int, path: Path | None) -> ProposerConfig:
-    """Proposer ``name``'s config at γ (with ``path`` when it takes a checkpoint)."""
-    return config_class(name)(num_speculative_tokens=gamma, **({"path": str(path)} if path else {}))
+TREE_SUFFIX = "_tree"
+
+
+def method(name: str, gamma: int, path: Path | None, cfg: SpecBenchConfig | None = None) -> ProposerConfig:
+    """Proposer ``name``'s config at γ (with ``path`` when it takes a checkpoint);
+    ``<name>_tree``: ``name`` drafting a dynamic tree of γ nodes."""
+    extra: dict[str, Any] = {"path": str(path)} if path else {}
+    if name.endswith(TREE_SUFFIX):
+        from specdec.spec.tree import TreeConfig
+
+        name = name[: -len(TREE_SUFFIX)]
+        top_k, depth = (cfg.tree_top_k, cfg.tree_depth) if cfg is not None else (4, 5)
+        extra["tree"] = TreeConfig(kind="dynamic", top_k=top_k, depth=depth)
+    return config_class(name)(num_speculative_tokens=gamma, **extra)
 
 
 def main(argv: list[str]) -> None:
@@ -114,8 +139,13 @@ def main(argv: list[str]) -> None:
         print(f"skipping {n}: no checkpoint for it here (specdec/zoo has none for this target)")
     names = [n for n in cfg.proposers if n not in takes_path or paths[n] is not None]
     grid = {f"{n} γ={g}": (n, g) for n in names for g in cfg.gammas}
+    tree_names = [n for n in names if n in cfg.trees
+                  and any(f.name == "tree" for f in dataclasses.fields(config_class(n)))]
+    grid |= {f"{n}{TREE_SUFFIX} γ={g}": (n + TREE_SUFFIX, g) for n in tree_names for g in cfg.tree_budgets}
+    for n in names:
+        paths[n + TREE_SUFFIX] = paths[n]
     llms = {"plain": LLM(target, runtime=runtime, engine_config=engine_cfg)}
-    llms |= {k: LLM(target, method=method(n, g, paths[n]), runtime=runtime, engine_config=engine_cfg)
+    llms |= {k: LLM(target, method=method(n, g, paths[n], cfg), runtime=runtime, engine_config=engine_cfg)
              for k, (n, g) in grid.items()}
     runs = {k: Run(lambda llm=llm: llm.generate(prompts, sp), warmup=lambda llm=llm: llm.generate(prompts[:1], warm),
                    before=llm.pipeline.reset_stats) for k, llm in llms.items()}
@@ -130,8 +160,13 @@ def main(argv: list[str]) -> None:
     for key, (name, g) in grid.items():
         counts = llms[key].pipeline.stats().counts  # the last timed pass's
         speedup = timing.speedup(key)
-        limit = bare[key].limit(counts.tau, g)
+        bt = bare[key]
+        if name.endswith(TREE_SUFFIX):  # draft forwards: tree_depth (each top_k wide), not γ
+            limit = dataclasses.replace(bt, t_draft_1=bt.t_draft_1 * cfg.tree_depth / g).limit(counts.tau, g)
+        else:
+            limit = bt.limit(counts.tau, g)
         rows.append({"proposer": name, "gamma": g, "tau": counts.tau, "alpha": counts.alpha,
+                     "accepted_len": counts.accepted_length, "tree_size": counts.tree_size,
                      "tok_s": n_tokens / timing.median(key), "speedup": speedup,
                      "T_t(1)_ms": bare[key].t_target_1 * 1e3, "T_t(γ+1)_ms": bare[key].t_target_g1 * 1e3,
                      "T_d(1)_ms": bare[key].t_draft_1 * 1e3, "limit": limit,
@@ -153,6 +188,11 @@ def main(argv: list[str]) -> None:
         "tau": {p: round(r["tau"], 3) for p, r in best_by.items()},
         "at_gamma4": {r["proposer"]: {"tau": round(r["tau"], 3), "speedup": round(r["speedup"], 3),
                                       "efficiency": round(r["efficiency"], 3)} for r in rows if r["gamma"] == 4},
+        "tree_budget": {p: {str(r["gamma"]): {"tau": round(r["tau"], 3), "speedup": round(r["speedup"], 3),
+                                              "tree_size": round(r["tree_size"], 2),
+                                              "accepted_length": round(r["accepted_len"], 3)}
+                            for r in rows if r["proposer"] == p}
+                        for p in dict.fromkeys(r["proposer"] for r in rows if r["proposer"].endswith(TREE_SUFFIX))},
         "outputs_equal": all(r["equal"] for r in rows),
     })
 

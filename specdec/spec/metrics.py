@@ -10,6 +10,14 @@
 - α (acceptance rate) = accepted / proposed;
 - per-position acceptance: P(draft token i accepted | tokens < i accepted) =
   accepted_at[i] / reached[i].
+
+Token trees (specdec/spec/tree.py): γ is the tree's *size* (nodes verified
+per request per step; ``tree_size`` = mean nodes per step), τ stays tokens
+per target forward, ``accepted_length`` is the mean accepted path length per
+step, and the per-position figures are **per depth**: depth ``i + 1`` is
+reached when the path accepted ``i`` nodes and the tree has a node that deep,
+and accepted when one of its nodes there is (``acceptance_per_depth``). For a
+chain, depth and position coincide.
 """
 
 from __future__ import annotations
@@ -30,18 +38,20 @@ class SpecCounts:
     accepted_at: list[int] = field(default_factory=list)  # [γ] and accepted there
     accepted_hist: list[int] = field(default_factory=list)  # [k] steps that accepted exactly k
 
-    def record(self, num_draft: int, num_accepted: int) -> None:
-        """One verification step: ``num_draft`` proposed, ``num_accepted`` kept."""
+    def record(self, num_draft: int, num_accepted: int, depth: int | None = None) -> None:
+        """One verification step: ``num_draft`` proposed, ``num_accepted`` kept;
+        a tree step gives its tree's ``depth`` (positions are then depths)."""
         self.steps += 1
         self.proposed += num_draft
         self.accepted += num_accepted
         self.bonus += 1
-        if len(self.reached) < num_draft:
-            grow = num_draft - len(self.reached)
+        span = num_draft if depth is None else depth  # positions (chain) or depths (tree) offered
+        if len(self.reached) < span:
+            grow = span - len(self.reached)
             self.reached += [0] * grow
             self.accepted_at += [0] * grow
         # Position i is reached when all before it were accepted.
-        for i in range(min(num_draft, num_accepted + 1)):
+        for i in range(min(span, num_accepted + 1)):
             self.reached[i] += 1
         for i in range(num_accepted):
             self.accepted_at[i] += 1
@@ -70,10 +80,22 @@ class SpecCounts:
 
     @property
     def per_position(self) -> list[float]:
+        """Acceptance at each position (chains) or depth (trees), given the ones before."""
         return [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached)]
 
+    @property
+    def accepted_length(self) -> float:
+        """Mean accepted drafts per step (τ - 1 when every step drafted)."""
+        return self.accepted / self.steps if self.steps else 0.0
+
+    @property
+    def tree_size(self) -> float:
+        """Mean draft tokens (tree nodes) verified per request per step."""
+        return self.proposed / self.steps if self.steps else 0.0
+
     def summary(self) -> dict[str, Any]:
-        return {**asdict(self), "tau": self.tau, "alpha": self.alpha, "per_position_acceptance": self.per_position}
+        return {**asdict(self), "tau": self.tau, "alpha": self.alpha, "per_position_acceptance": self.per_position,
+                "accepted_length": self.accepted_length, "tree_size": self.tree_size}
 
 
 @dataclass

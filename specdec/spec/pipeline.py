@@ -15,6 +15,14 @@ One step, for a ragged batch of requests (see docs/architecture.md)::
     host:   read tokens, counts and faults (the one sync), roll both KV caches back
             past rejected tokens, hand the new tokens to the engine
 
+A branching draft tree (``DraftTree.is_chain`` False; specdec/spec/tree.py)
+takes the same step: its nodes fill request b's ``num_draft[b]`` placeholder
+rows, which then sit at rope position root + depth under
+``DecoderInputs.tree_mask``; the tree verifiers pick the accepted path, the
+path's target KV entries are compacted into place (so the usual truncation
+keeps exactly the committed tokens), and a drafter drafting after
+verification reads the path's rows. Chains keep the chain verifiers.
+
 The target module is built by the target decoder class's ``build_module``
 and called as a submodule; the draft and target batch processors share one
 :class:`RequestStateStore` (sampling parameters and seed, drafts waiting for
@@ -38,16 +46,26 @@ from specdec.spec.forward_time import forward_time
 from specdec.spec.gamma import CostCurve, GammaPolicyConfig, choose_gamma
 from specdec.spec.metrics import RunStats, SpecCounts
 from specdec.spec.proposers.base import DraftBatch, Drafter, DraftTree, Proposer, TargetStep
+from specdec.spec.tree import (
+    accepted_slot_moves,
+    compact_kv,
+    depths,
+    packed_tree_mask,
+    verify_tree_greedy,
+    verify_tree_sampled,
+)
 from specdec.spec.verify import verify_greedy, verify_sampled
 
 
 @dataclass
 class StepOutput:
-    tokens: torch.Tensor  # [B, γ+1] accepted drafts then the recovered/bonus token; -1 past it
+    tokens: torch.Tensor  # [B, γ+1] accepted drafts then the recovered/bonus token; -1 past it (tree: [B, D+1])
     num_accepted: torch.Tensor  # [B]
     # [B] -1, or where verification met a non-finite number: 2·i for the target's
-    # logits at row i, 2·i + 1 for the draft probabilities of draft i (see _fault).
+    # logits at row i, 2·i + 1 for the draft probabilities of draft i (see _fault;
+    # a tree step counts i along the accepted path).
     fault: torch.Tensor
+    depth: torch.Tensor | None = None  # [B] a tree step: the depth of each request's tree (None: chains)
 
 
 def _fault(logits: torch.Tensor, draft_probs: torch.Tensor | None, num_accepted: torch.Tensor,
@@ -69,6 +87,26 @@ def _fault(logits: torch.Tensor, draft_probs: torch.Tensor | None, num_accepted:
         code = torch.cat([code, torch.where(drafted & ~finite_rows(draft_probs), 2 * row[:g] + 1, 2 * n)], 1)
     first = code.amin(1)  # [B]
     return torch.where(first < 2 * n, first, -1)
+
+
+def _tree_fault(logits: torch.Tensor, draft_probs: torch.Tensor | None, path: torch.Tensor,
+                num_accepted: torch.Tensor) -> torch.Tensor:
+    """:func:`_fault` of a tree step: only the rows on each request's accepted
+    path were used (``path [B, D+1]``, TreeVerdict.path), and the draft
+    probabilities of its accepted nodes; ``i`` counts along the path."""
+    d1 = path.shape[1]
+    row = torch.arange(d1, device=logits.device)
+    on = path.clamp(min=0)
+    used = row <= num_accepted.unsqueeze(1)  # [B, D+1]
+    bad = ~finite_rows(logits).gather(1, on)  # [B, D+1]
+    code = torch.where(used & bad, 2 * row, 2 * d1)
+    if draft_probs is not None and d1 > 1:
+        node = (on[:, 1:] - 1).clamp(min=0)  # [B, D] accepted nodes
+        bad_q = ~finite_rows(draft_probs).gather(1, node)
+        acc = row[: d1 - 1] < num_accepted.unsqueeze(1)
+        code = torch.cat([code, torch.where(acc & bad_q, 2 * row[: d1 - 1] + 1, 2 * d1)], 1)
+    first = code.amin(1)
+    return torch.where(first < 2 * d1, first, -1)
 
 
 class DraftAndVerify(nn.Module):
@@ -117,10 +155,9 @@ class DraftAndVerify(nn.Module):
     ) -> StepOutput:
         t0 = time.perf_counter()
         b = num_draft.shape[0]
+        tree: DraftTree | None = None
         if draft is not None and draft.gamma > 0:
             tree = self._drafts(draft, sampling, slots)
-            if not tree.is_chain:
-                raise NotImplementedError("verifying branching draft trees comes with token trees; draft chains")
             draft_tokens, draft_probs = tree.tokens, tree.probs  # [B, γ], [B, γ, V] | None
             # Request r has num_draft[r] placeholder rows; its draft_index past
             # them points at its last real row, which gets its own token back.
@@ -133,11 +170,21 @@ class DraftAndVerify(nn.Module):
         else:
             draft_tokens = torch.zeros(b, 0, dtype=torch.long, device=num_draft.device)
             draft_probs = None
+        branching = tree is not None and not tree.is_chain
+        nodes = None
+        if branching:
+            assert tree is not None and draft is not None
+            nodes = self._place_tree(target_inputs, tree, draft.gamma, draft_index, num_draft)
         t1 = time.perf_counter()
         target_out = self.target(target_inputs)
         t2 = time.perf_counter()
         logits = target_out.logits.view(b, -1, target_out.logits.shape[-1])  # [B, γ+1, V]
-        if sampling.all_greedy:
+        path = depth = None
+        if branching:
+            assert tree is not None
+            out, acc, path, depth = self._verify_tree(target_inputs, tree, nodes, logits, sampling, positions)
+            fault = _tree_fault(logits, draft_probs, path, acc)
+        elif sampling.all_greedy:
             # Not ragged: every request has the step's γ drafts, no per-request cut.
             out, acc = verify_greedy(draft_tokens=draft_tokens, target_logits=logits,
                                      num_draft=num_draft if ragged else None)
@@ -151,21 +198,31 @@ class DraftAndVerify(nn.Module):
                 seeds=sampling.seeds,
                 positions=positions,
             )
-        fault = _fault(logits, draft_probs, acc, num_draft)
+        if not branching:
+            fault = _fault(logits, draft_probs, acc, num_draft)
         t3 = time.perf_counter()
         if self.drafts_after_verify and next_gamma > 0:
             assert slots is not None
             aux = target_out.aux_hidden_states
             logit_rows = target_inputs.logit_index.view(b, logits.shape[1])  # [B, γ+1] packed rows
+            hidden = target_out.hidden_states.view(b, logits.shape[1], -1)
+            aux_hidden = aux.view(b, logits.shape[1], -1) if aux is not None else None
+            bonus_at = acc.unsqueeze(1)  # [B, 1] row (of the verified ones) that produced the bonus
+            if path is not None:  # a tree: row j of the step is the j-th row of the accepted path
+                on = path.clamp(min=0).unsqueeze(-1)
+                hidden = hidden.gather(1, on.expand(-1, -1, hidden.shape[-1]))
+                if aux_hidden is not None:
+                    aux_hidden = aux_hidden.gather(1, on.expand(-1, -1, aux_hidden.shape[-1]))
+                bonus_at = path.gather(1, bonus_at)
             step = TargetStep(
                 tokens=out,
                 num_accepted=acc,
-                hidden=target_out.hidden_states.view(b, logits.shape[1], -1),
-                aux_hidden=aux.view(b, logits.shape[1], -1) if aux is not None else None,
+                hidden=hidden,
+                aux_hidden=aux_hidden,
                 first_position=target_inputs.positions.index_select(0, logit_rows[:, 0]),
                 slots=slots,
                 state=self.state,
-                bonus_row=logit_rows.gather(1, acc.unsqueeze(1)).squeeze(1),
+                bonus_row=logit_rows.gather(1, bonus_at).squeeze(1),
                 rows=target_out.row_hidden_states,
                 aux_rows=target_out.row_aux_hidden_states,
                 inputs=target_inputs if target_inputs.all_hidden else None,
@@ -177,7 +234,50 @@ class DraftAndVerify(nn.Module):
                 self.state.tensors["draft_probs"][slots, :next_gamma] = nxt.probs
         self.draft_time += (t1 - t0) + (time.perf_counter() - t3)
         self.target_time += t2 - t1
-        return StepOutput(tokens=out, num_accepted=acc, fault=fault)
+        return StepOutput(tokens=out, num_accepted=acc, fault=fault, depth=depth)
+
+    # -- token trees (specdec/spec/tree.py) --------------------------------------------
+    @staticmethod
+    def _place_tree(inputs: DecoderInputs, tree: DraftTree, n: int, draft_index: torch.Tensor,
+                    num_draft: torch.Tensor) -> torch.Tensor:
+        """Sets a tree step's rope positions (root + depth) and ``tree_mask``;
+        the node tokens are in place already. Request ``b`` feeds ``num_draft[b]``
+        node rows (its tree cut to that prefix); returns its real nodes [B]."""
+        nodes = num_draft if tree.num_nodes is None else torch.minimum(tree.num_nodes, num_draft)
+        root_row = inputs.logit_index.view(-1, n + 1)[:, 0]  # [B] packed row of each root
+        dep = depths(tree.parents, nodes)  # [B, N]; padding 0: its row (or the root's) keeps the root's position
+        root_pos = inputs.positions.index_select(0, root_row)  # [B]
+        inputs.positions = inputs.positions.index_put((draft_index.reshape(-1),),
+                                                      (root_pos.unsqueeze(1) + dep).reshape(-1))
+        # The root's index among its request's rows: rows before it are plain (a prompt).
+        inputs.tree_mask = packed_tree_mask(tree.parents, nodes, root_row - inputs.q_index[:, 0],
+                                            inputs.q_index.shape[1])
+        return nodes
+
+    @staticmethod
+    def _verify_tree(inputs: DecoderInputs, tree: DraftTree, nodes: torch.Tensor, logits: torch.Tensor,
+                     sampling: SamplingTensors, positions: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Verifies a tree, then moves the accepted path's target KV entries into
+        place (the caller truncates past it) -> tokens [B, D+1], num_accepted,
+        path [B, D+1] (rows: 0 root, i+1 node i), depth [B] of each tree."""
+        b, n1 = logits.shape[:2]
+        d = min(tree.max_depth if tree.max_depth is not None else n1 - 1, n1 - 1)
+        if sampling.all_greedy:
+            v = verify_tree_greedy(tokens=tree.tokens, parents=tree.parents, num_nodes=nodes,
+                                   target_logits=logits, max_depth=d)
+        else:
+            assert positions is not None
+            v = verify_tree_sampled(tokens=tree.tokens, parents=tree.parents, num_nodes=nodes,
+                                    target_probs=probs_from_logits(logits, sampling), draft_probs=tree.probs,
+                                    seeds=sampling.seeds, positions=positions[:, 0], max_depth=d,
+                                    max_children=tree.max_children)
+        assert inputs.kv_cache is not None
+        row_slots = inputs.slot_mapping.index_select(0, inputs.logit_index).view(b, n1)  # [B, N+1]
+        src, dst = accepted_slot_moves(v.path, row_slots)
+        compact_kv(inputs.kv_cache, src, dst)
+        depth = depths(tree.parents, nodes).amax(1) if tree.parents.shape[1] else nodes
+        return v.tokens, v.num_accepted, v.path, depth
 
 
 @dataclass(frozen=True)
@@ -498,10 +598,15 @@ class SpecDecodePipelineModel:
             draft_host=draft_host,
         )
         self.num_target_forwards += 1
-        # The one host sync of the step: each row is tokens [γ+1], accepted, fault.
-        rows = torch.cat([out.tokens, out.num_accepted.unsqueeze(1), out.fault.unsqueeze(1)], 1).tolist()
+        # The one host sync of the step: each row is tokens [γ+1], accepted, fault (, tree depth).
+        cols = [out.tokens, out.num_accepted.unsqueeze(1), out.fault.unsqueeze(1)]
+        tree = out.depth is not None
+        if tree:
+            cols.append(out.depth.unsqueeze(1))
+        rows = torch.cat(cols, 1).tolist()
         new: list[list[int] | RequestFailure] = []
         for c, row, n, ln, g in zip(batch, rows, look, lens, gammas):
+            depth = row.pop() if tree else None
             toks, k, fault = row[:-2], row[-2], row[-1]
             if fault >= 0:  # this request only: the engine ends it and frees what it holds
                 what = "the drafter's probabilities" if fault % 2 else "the target's logits"
@@ -510,7 +615,7 @@ class SpecDecodePipelineModel:
             counts = self.counts.get(c.request_id)
             if counts is None:
                 counts = self.counts[c.request_id] = SpecCounts()
-            counts.record(n, k)
+            counts.record(n, k, depth=depth)
             new.append(toks[: k + 1])
             if g:  # drafts were asked for (found or not): adaptive γ's running acceptance
                 running = self._running.get(c.request_id)

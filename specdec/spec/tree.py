@@ -63,7 +63,8 @@ batch-mates, and a chain gives bit-for-bit what ``verify_sampled`` gives.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import List, NamedTuple, Optional  # noqa: UP035 (OmegaConf reads typing generics)
 
 import torch
 
@@ -71,9 +72,11 @@ from specdec.core.inputs import KVCacheTensors
 from specdec.sampling import LANE_ACCEPT, LANE_RESIDUAL, LANE_TARGET, greedy_tokens, sample_from, uniform
 
 __all__ = [
+    "TREE_KINDS",
     "Candidates",
     "Selection",
     "StaticTree",
+    "TreeConfig",
     "TreeVerdict",
     "accepted_slot_moves",
     "ancestor_mask",
@@ -82,6 +85,7 @@ __all__ = [
     "depths",
     "dynamic_tree_select",
     "expand_topk",
+    "packed_tree_mask",
     "static_tree",
     "static_tree_tokens",
     "tree_attention_mask",
@@ -91,6 +95,61 @@ __all__ = [
     "verify_tree_greedy",
     "verify_tree_sampled",
 ]
+
+
+TREE_KINDS = ("chain", "static", "dynamic")
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """The shape of the drafts of a drafter that can branch (a field ``tree`` of its config).
+
+    - ``kind="chain"`` (default): γ tokens one after another (no tree);
+    - ``kind="static"``: the tree ``choices`` (paths of top-k ranks, the
+      Medusa-choices format, see :func:`static_tree`), the same every step;
+    - ``kind="dynamic"``: EAGLE-2's tree (:func:`expand_topk` then
+      :func:`dynamic_tree_select`): ``depth`` levels of ``top_k`` children of
+      the ``top_k`` best frontier nodes, the best ``total_tokens`` nodes kept.
+
+    **Node budget.** For a tree, the method's γ (``num_speculative_tokens``)
+    is the number of draft *nodes* a request verifies per step (its rows in
+    the target's forward): ``total_tokens`` when set (> 0; the proposer's
+    config then takes it as its γ), else γ. A static tree keeps its first
+    ``budget`` nodes in (depth, path) order. Per request the budget shrinks
+    like γ does (its own ``num_speculative_tokens``, room left), so trees are
+    ragged. Hydra: ``method.draft_model.tree.kind=dynamic
+    method.draft_model.tree.total_tokens=16``.
+    """
+
+    kind: str = "chain"
+    choices: Optional[List[List[int]]] = None  # static: paths of top-k ranks from the root
+    top_k: int = 4  # dynamic: children per expanded node, and the frontier's width
+    depth: int = 5  # dynamic: levels drafted (the deepest node's depth)
+    total_tokens: int = 0  # nodes kept per request (the node budget); 0: the method's γ
+
+    def __post_init__(self) -> None:
+        if self.kind not in TREE_KINDS:
+            raise ValueError(f"tree.kind must be one of {', '.join(TREE_KINDS)}, got {self.kind!r}")
+        if self.choices is not None:  # hashable, and checked now (static_tree raises on a bad list)
+            object.__setattr__(self, "choices", tuple(tuple(int(r) for r in c) for c in self.choices))
+            static_tree(self.choices)
+        if self.kind == "static" and not self.choices:
+            raise ValueError("tree.choices (paths of top-k ranks, e.g. [[0], [1], [0, 0]]) is required for kind=static")
+        if self.top_k < 1 or self.depth < 1:
+            raise ValueError(f"tree.top_k and tree.depth must be >= 1, got {self.top_k}, {self.depth}")
+        if not 0 <= self.total_tokens <= 64:
+            raise ValueError(f"tree.total_tokens must be in [0, 64] (0: the method's γ), got {self.total_tokens}")
+
+    @property
+    def is_tree(self) -> bool:
+        return self.kind != "chain"
+
+    def budget(self, gamma: int) -> int:
+        """Draft nodes per request per step for a method whose γ is ``gamma``."""
+        if not self.is_tree:
+            return gamma
+        n = self.total_tokens or gamma
+        return min(n, len(self.choices)) if self.kind == "static" and self.choices else n
 
 
 def tree_lane(lane: int, sibling: int) -> int:
@@ -184,6 +243,34 @@ def tree_attention_mask(parents: torch.Tensor, num_nodes: torch.Tensor | None = 
     out[:, :, 0] = True
     out[:, 1:, 1:] = ancestor_mask(parents, num_nodes)
     return out
+
+
+def packed_tree_mask(parents: torch.Tensor, num_nodes: torch.Tensor | None, root_row: torch.Tensor,
+                     num_queries: int) -> torch.Tensor:
+    """``DecoderInputs.tree_mask [B, Q, Q]`` of a packed step whose request ``b``
+    feeds rows ``0 … root_row[b]`` as plain rows (a prompt, or just the root),
+    then its tree's nodes (rows ``root_row[b] + 1 + i``).
+
+    Plain rows are causal; a node row sees every plain row (the root and the
+    rows before it), node ``i`` itself and its ancestors. A request without
+    nodes (``root_row`` its last row) is plain causal. Query rows past a
+    request's own are padding and see row 0 (never an empty row). Example,
+    ``root_row = [1]``, ``parents = [[-1, -1]]`` (two siblings), ``Q = 4``::
+
+        [[1, 0, 0, 0],     # plain row 0
+         [1, 1, 0, 0],     # root (plain row 1)
+         [1, 1, 1, 0],     # node 0
+         [1, 1, 0, 1]]     # node 1 (does not see its sibling)
+    """
+    n = parents.shape[1]
+    tm = tree_attention_mask(parents, num_nodes)  # [B, N+1, N+1], row 0 the root
+    q = torch.arange(num_queries, device=parents.device)
+    rel = q - root_row.unsqueeze(1)  # [B, Q] row index within the tree (<= 0: plain rows)
+    r = rel.clamp(0, n)  # [B, Q]
+    flat = (r.unsqueeze(2) * (n + 1) + r.unsqueeze(1)).flatten(1)  # [B, Q*Q] index of tm[b, r_i, r_j]
+    in_tree = tm.flatten(1).gather(1, flat).view(-1, num_queries, num_queries)  # [B, Q, Q]
+    plain = (rel <= 0).unsqueeze(2) | (rel <= 0).unsqueeze(1)
+    return (q.unsqueeze(1) >= q).unsqueeze(0) & (plain | in_tree)
 
 
 class StaticTree(NamedTuple):

@@ -23,10 +23,13 @@ from specdec.core.pipeline_model import RuntimeConfig
 from specdec.engine import EngineConfig
 from specdec.spec.proposers.draft_model import DraftModelConfig
 from specdec.spec.proposers.eagle import Eagle3Config, EagleConfig
+from specdec.spec.proposers.medusa import MedusaConfig
 from specdec.spec.proposers.ngram import NgramConfig
+from specdec.spec.tree import TreeConfig
 
 from echo_drafter import EchoConfig  # tests/spec/echo_drafter.py
 from eagle_heads import head_for  # tests/spec/eagle_heads.py
+from medusa_heads import medusa_for  # tests/spec/medusa_heads.py
 
 VOCAB = 64
 MIN_MARGIN = 1e-4
@@ -113,6 +116,22 @@ def _eagle_case(tiny_llama, generate, greedy_margin, data) -> None:
     _check_exact(generate, greedy_margin, target, method, ps, sps, block)
 
 
+def _medusa_case(tiny_llama, generate, greedy_margin, data) -> None:
+    # Random heads (own lm heads, or the target's with a repeated block; K = 4, so γ > 4
+    # is cut to 4) and echo heads (K = 8: long accepted runs on loops).
+    target = _target(tiny_llama, data.draw(st.sampled_from(["full", "loopy"]), label="target"))
+    kind = data.draw(st.sampled_from(["medusa", "medusa-shared", "medusa-echo"]), label="heads")
+    ps, sps, gamma, block = data.draw(workloads(), label="workload")
+    method = MedusaConfig(path=str(medusa_for(target, kind)), num_speculative_tokens=gamma)
+    _check_exact(generate, greedy_margin, target, method, ps, sps, block)
+
+
+@HYP
+@given(data=st.data())
+def test_medusa_greedy_is_exact(tiny_llama, generate, greedy_margin, data) -> None:
+    _medusa_case(tiny_llama, generate, greedy_margin, data)
+
+
 @HYP
 @given(data=st.data())
 def test_eagle_greedy_is_exact(tiny_llama, generate, greedy_margin, data) -> None:
@@ -158,12 +177,21 @@ METHODS = {
     "draft_model": lambda tiny_llama, g: DraftModelConfig(
         path=str(_drafter(tiny_llama, "perturbed", "loopy").path), num_speculative_tokens=g
     ),
+    # Token trees (γ: the node budget): EAGLE-2-style dynamic, and a static tree of 7 nodes.
+    "draft_model_tree": lambda tiny_llama, g: DraftModelConfig(
+        path=str(_drafter(tiny_llama, "perturbed", "loopy").path), num_speculative_tokens=g,
+        tree=TreeConfig(kind="dynamic", top_k=3, depth=4)),
+    "draft_model_static_tree": lambda tiny_llama, g: DraftModelConfig(
+        path=str(_drafter(tiny_llama, "perturbed", "loopy").path), num_speculative_tokens=g,
+        tree=TreeConfig(kind="static", choices=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]])),
     # Drafts after verification, from the target's hidden states kept in the state store.
     "echo": lambda tiny_llama, g: EchoConfig(num_speculative_tokens=g),
     "eagle": lambda tiny_llama, g: EagleConfig(path=str(head_for(_target(tiny_llama, "loopy"), "eagle-echo")),
                                                num_speculative_tokens=g),
     "eagle3": lambda tiny_llama, g: Eagle3Config(
         path=str(head_for(_target(tiny_llama, "loopy"), "eagle3-small-vocab")), num_speculative_tokens=g),
+    "medusa": lambda tiny_llama, g: MedusaConfig(path=str(medusa_for(_target(tiny_llama, "loopy"), "medusa-echo")),
+                                                 num_speculative_tokens=g),
 }
 
 

@@ -104,14 +104,25 @@ class DraftTree:
         tokens  = [[a, b, c]]      # a and c follow the root, b follows a
         parents = [[-1, 0, -1]]
 
-    Verification and KV commit of branching trees come with token trees
-    (docs/architecture.md); today's drafters draft chains through this type.
+    A branching tree (``is_chain=False``) is verified whole in one target
+    forward (specdec/spec/tree.py; the step packs ``DraftBatch.num_draft[b]``
+    rows for request ``b``). Its nodes must come in an order where every
+    prefix is a tree (parents first; level order does it): a request whose
+    budget is smaller keeps a prefix. ``num_nodes`` makes trees ragged
+    (nodes past it are padding, never read); ``max_depth`` / ``max_children``
+    are host facts bounding the deepest node and the widest branching, so
+    verification needs no host sync (None: derived, one sync each).
+    ``probs`` of a tree: each node's q, its siblings drawn independently
+    (tree.verify_tree_sampled); None for deterministic (top-k) trees.
     """
 
     tokens: torch.Tensor  # [B, N] int64
     parents: torch.Tensor  # [B, N] int64, -1: the root
     probs: torch.Tensor | None = None  # [B, N, V] the draft distribution each node was drawn from; None: deterministic
     is_chain: bool = True  # host fact: parents[b, i] == i - 1 for every node
+    num_nodes: torch.Tensor | None = None  # [B] real nodes per request (trees); None: all N
+    max_depth: int | None = None  # host fact (trees): no node is deeper
+    max_children: int | None = None  # host fact (trees): no node (root included) has more children
 
     @staticmethod
     def chain(tokens: torch.Tensor, probs: torch.Tensor | None = None) -> DraftTree:

@@ -6,12 +6,35 @@ yields the first draft token, then (2) runs ``γ - 1`` one-token steps, each
 feeding the previous draft token. All positions and KV slots are packed on the
 host beforehand, so the loop runs inside the draft-and-verify module without a
 host round trip. Its paged KV cache is rolled back in step with the target's.
+
+**Token trees** (``tree=TreeConfig(kind=...)``, specdec/spec/tree.py): after
+the catch-up (the root's distribution), a top-k tree is drafted level by level:
+
+- ``dynamic`` (EAGLE-2): the root's ``top_k`` tokens are the first frontier;
+  ``depth - 1`` times the frontier's ``top_k`` nodes run in *one* batched
+  forward, each proposing its ``top_k`` best children, and the ``top_k`` best
+  children by cumulative log-probability form the next frontier; then each
+  request keeps its best ``num_draft[b]`` nodes (tree.dynamic_tree_select);
+- ``static``: the ``choices`` tree; node ``i``'s token is the ``ranks[i]``-th
+  top token of the distribution drafted at its parent (one forward per level).
+
+A node runs as its own one-token "request" over the draft's paged cache: its
+gathered keys are the request's context (through the root), then its
+ancestors' rows, then its own row, so its key index equals its position
+(root position + depth) and no tree mask is needed. Tree rows are written
+after the context (``kv_tokens``: context + tree rows). Trees are top-k,
+hence deterministic (``probs = None``): sampled verification uses the
+point-mass rule, lossless. After verification the draft cache is simply
+**truncated** to the context before the tree (no compaction): the next
+step's catch-up recomputes the accepted tokens' entries — exact, and the
+simplest (the accepted path is short next to the rows a tree writes).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,6 +45,7 @@ from specdec.core.kv_cache import block_table_array
 from specdec.core.pipeline_model import DecoderPipelineModel, registered_pipeline_model
 from specdec.sampling import LANE_DRAFT, SamplingTensors, greedy_tokens, probs_from_logits, sample_from
 from specdec.spec.forward_time import forward_time
+from specdec.spec.tree import TreeConfig, dynamic_tree_select, expand_topk, static_tree, static_tree_tokens
 from specdec.spec.proposers.base import (
     DraftBatch,
     Drafter,
@@ -36,8 +60,15 @@ from specdec.spec.proposers.base import (
 @dataclass(frozen=True)
 class DraftModelConfig(ProposerConfig):
     path: str = ""  # the draft checkpoint directory (Hugging Face format, the target's vocabulary)
+    # Draft shape: a chain of γ tokens (default), or a static / dynamic top-k tree
+    # whose node budget is γ (tree.total_tokens, when set, becomes γ): TreeConfig.
+    tree: TreeConfig = field(default_factory=TreeConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.tree, dict):  # LLM(method={"name": ..., "tree": {...}})
+            object.__setattr__(self, "tree", TreeConfig(**self.tree))
+        if self.tree.is_tree:  # γ counts the tree's nodes (rows verified per request)
+            object.__setattr__(self, "num_speculative_tokens", self.tree.budget(self.num_speculative_tokens))
         super().__post_init__()
         if not self.path:
             raise ValueError("path (the draft checkpoint directory) is required")
@@ -50,15 +81,20 @@ class DraftModelBatch(DraftBatch):
     step_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [γ-1, B] int64
     gather_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [B, S] through the last draft
     max_len: int = 0  # host: the longest request's length before drafting (S = max_len + γ - 1)
+    # A tree step: draft KV slot of each tree row [B, R] (rows after the context;
+    # gather_slots then covers the context only, S = max_len).
+    tree_slots: torch.Tensor | None = None
 
 
 class DraftModelDrafter(Drafter):
     """Device half: the draft decoder as a submodule, sampling ``γ`` tokens."""
 
-    def __init__(self, pipeline: DecoderPipelineModel) -> None:
+    def __init__(self, pipeline: DecoderPipelineModel, tree: TreeConfig | None = None) -> None:
         super().__init__()
         self.decoder = pipeline.build_module()
         self._row_cache: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}
+        self.tree = tree if tree is not None and tree.is_tree else None
+        self._static: dict[int, Any] = {}  # static tree cut to n nodes -> its tensors and host facts
 
     def _rows(self, b: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         """The one-token steps' row indices for ``b`` requests (read-only, made once per size):
@@ -75,6 +111,11 @@ class DraftModelDrafter(Drafter):
         assert batch.catch_up is not None and batch.catch_up.kv_cache is not None
         kv = batch.catch_up.kv_cache
         logits = self.decoder(batch.catch_up).logits  # [B, V]
+        if batch.tree_slots is not None:
+            assert self.tree is not None
+            if self.tree.kind == "dynamic":
+                return self._dynamic_tree(batch, logits)
+            return self._static_tree(batch, logits)
         b = logits.shape[0]
         out_rows, logit_rows, q_index = self._rows(b, logits.device)
         toks, probs = [], []
@@ -113,15 +154,141 @@ class DraftModelDrafter(Drafter):
         )
 
 
+    # -- token trees ----------------------------------------------------------------
+    def _run_nodes(self, batch: DraftModelBatch, tokens: torch.Tensor, own: torch.Tensor,
+                   anc: torch.Tensor) -> torch.Tensor:
+        """Logits [B, M, V] of ``M`` tree nodes per request, all at depth ``A + 1``,
+        in one forward: node ``(b, m)`` holds ``tokens[b, m]``, writes draft slot
+        ``own[b, m]`` and sees its request's context then its ``A`` ancestors'
+        slots ``anc[b, m]`` (root to parent). It is fed as a one-token request
+        whose keys are exactly those: its key index is its position."""
+        assert batch.catch_up is not None
+        b, m = tokens.shape
+        a = anc.shape[2]
+        dev = tokens.device
+        lens = batch.first_position  # [B] context length (the root is its last key)
+        s = batch.max_len + a + 1
+        j = torch.arange(s, device=dev)
+        rel = j - lens.unsqueeze(1)  # [B, S] < 0: context, [0, A): an ancestor, A: the node itself
+        ctx = batch.gather_slots.gather(1, j.clamp(max=batch.max_len - 1).expand(b, s))  # [B, S]
+        own3 = own.unsqueeze(2)  # [B, M, 1]
+        if a:
+            anc_part = anc.gather(2, rel.clamp(0, a - 1).unsqueeze(1).expand(b, m, s))
+            tail = torch.where((rel < a).unsqueeze(1), anc_part, own3)
+        else:
+            tail = own3.expand(b, m, s)
+        slots = torch.where((rel < 0).unsqueeze(1), ctx.unsqueeze(1), tail)  # [B, M, S] (past the node: masked)
+        pos = (lens + a).unsqueeze(1).expand(b, m).reshape(-1)  # [B·M]
+        bm = b * m
+        ar = torch.arange(bm, device=dev)
+        step = DecoderInputs(
+            tokens=tokens.reshape(-1),
+            positions=pos,
+            slot_mapping=own.reshape(-1),
+            gather_slots=slots.reshape(bm, s).contiguous(),
+            q_index=ar.unsqueeze(1),
+            q_pos=pos.unsqueeze(1),
+            out_index=ar,
+            logit_index=ar.clone(),  # (distinct tensors: a compiled decoder guards on aliasing)
+            kv_cache=batch.catch_up.kv_cache,
+            single_request=bm == 1,
+            mask=MaskKind.NONE if bm == 1 else MaskKind.EXPLICIT,
+        )
+        return self.decoder(step).logits.view(b, m, -1)
+
+    def _dynamic_tree(self, batch: DraftModelBatch, logits: torch.Tensor) -> DraftTree:
+        """EAGLE-2's tree with the draft model (tree.expand_topk, dynamic_tree_select)."""
+        cfg = self.tree
+        assert cfg is not None and batch.tree_slots is not None
+        k, n = cfg.top_k, batch.gamma
+        b = logits.shape[0]
+        dev = logits.device
+        state: dict[str, torch.Tensor] = {}
+
+        def draft_fn(tok: torch.Tensor, front_parent: torch.Tensor) -> torch.Tensor:
+            c = len(state) // 2  # calls so far
+            own = batch.tree_slots[:, c * k : (c + 1) * k]  # [B, K] rows of this frontier
+            if c == 0:
+                anc = own.new_zeros(b, k, 0)
+            else:  # the parent's ancestors, then the parent
+                pa, po = state[f"anc{c - 1}"], state[f"own{c - 1}"]
+                anc = torch.cat([pa.gather(1, front_parent.unsqueeze(2).expand(-1, -1, c - 1)),
+                                 po.gather(1, front_parent).unsqueeze(2)], 2)
+            state[f"anc{c}"], state[f"own{c}"] = anc, own
+            return torch.log_softmax(self._run_nodes(batch, tok, own, anc).float(), -1)
+
+        cand = expand_topk(torch.log_softmax(logits.float(), -1), draft_fn, cfg.depth, k)
+        m = cand.scores.shape[1]
+        scores = cand.scores.nan_to_num(nan=float("-inf"))
+        # Each request's own budget: its best num_draft[b] candidates (a tree: see dynamic_tree_select).
+        order = scores.sort(dim=1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(m, device=dev).expand(b, m))
+        scores = scores.masked_fill(rank >= batch.num_draft.unsqueeze(1), float("-inf"))
+        sel = dynamic_tree_select(scores, cand.parents, n)
+        tokens, parents = cand.tokens.gather(1, sel.index), sel.parents
+        if tokens.shape[1] < n:  # fewer candidates than the budget (small top_k · depth)
+            pad = n - tokens.shape[1]
+            tokens = torch.cat([tokens, tokens.new_zeros(b, pad)], 1)
+            parents = torch.cat([parents, parents.new_full((b, pad), -1)], 1)
+        return DraftTree(tokens=tokens, parents=parents, is_chain=False, num_nodes=sel.num_nodes,
+                         max_depth=cfg.depth, max_children=k)
+
+    def _static_shape(self, n: int, device: torch.device) -> Any:
+        """The static tree cut to its first ``n`` nodes: tensors and host facts (made once per n)."""
+        key = n
+        if key not in self._static:
+            assert self.tree is not None and self.tree.choices is not None
+            st = static_tree(self.tree.choices)
+            par, ranks, dep = st.parents[:n], st.ranks[:n], st.depths[:n].tolist()
+            levels = []  # (lo, hi) node range of each depth, in order
+            for d in range(1, max(dep) + 1):
+                idx = [i for i, x in enumerate(dep) if x == d]
+                levels.append((idx[0], idx[-1] + 1))
+            anc = torch.zeros(n, max(max(dep) - 1, 0), dtype=torch.long)  # ancestors of each node, root side first
+            for i in range(n):
+                chain, p = [], int(par[i])
+                while p >= 0:
+                    chain.append(p)
+                    p = int(par[p])
+                anc[i, : len(chain)] = torch.tensor(chain[::-1], dtype=torch.long)
+            kids = torch.bincount(par + 1, minlength=n + 1)
+            self._static[key] = (par.to(device), ranks.to(device), levels, anc.to(device),
+                                 int(ranks.max()) + 1, max(dep), int(kids.max()))
+        return self._static[key]
+
+    def _static_tree(self, batch: DraftModelBatch, logits: torch.Tensor) -> DraftTree:
+        """The static ``choices`` tree, one draft forward per level but the last."""
+        assert batch.tree_slots is not None
+        n = batch.gamma
+        par, ranks, levels, anc, kmax, max_depth, max_kids = self._static_shape(n, logits.device)
+        b = logits.shape[0]
+        top = logits.new_zeros(b, n + 1, kmax, dtype=torch.long)  # top tokens at each row (0: the root)
+        top[:, 0] = logits.topk(kmax, dim=-1).indices
+        tokens = logits.new_zeros(b, n, dtype=torch.long)
+        for d, (lo, hi) in enumerate(levels, start=1):
+            tokens[:, lo:hi] = static_tree_tokens(par[lo:hi], ranks[lo:hi], top)
+            if d < len(levels):  # this level's nodes have children: run them
+                own = batch.tree_slots[:, lo:hi]
+                anc_slots = batch.tree_slots.index_select(1, anc[lo:hi, : d - 1].reshape(-1)).view(b, hi - lo, d - 1)
+                lg = self._run_nodes(batch, tokens[:, lo:hi], own, anc_slots)
+                top[:, lo + 1 : hi + 1] = lg.topk(kmax, dim=-1).indices
+        return DraftTree(tokens=tokens, parents=par.expand(b, n), is_chain=False,
+                         num_nodes=torch.minimum(batch.num_draft, torch.tensor(n, device=logits.device)),
+                         max_depth=max_depth, max_children=max_kids)
+
+
 @register_proposer("draft_model", DraftModelConfig)
 class DraftModelProposer(Proposer):
     """Host half: the draft's batch processor and KV bookkeeping."""
 
     def __init__(self, config: DraftModelConfig, deps: ProposerDeps) -> None:
         self.config = config
+        self.tree = config.tree if config.tree.is_tree else None
         self.pipeline = registered_pipeline_model(
-            config.path, deps.runtime, cache_name="draft", extra_tokens=config.num_speculative_tokens + 1
+            config.path, deps.runtime, cache_name="draft",
+            extra_tokens=max(config.num_speculative_tokens, self._tree_rows(config.num_speculative_tokens)) + 1,
         )
+        self._tree_base: dict[str, int] = {}  # request -> its draft cache length before this step's tree
         self.pipeline.build_module()  # the module the drafter calls is the one timed and executed
         vocab = self.pipeline.config.vocab_size
         target_vocab_size = deps.target.config.vocab_size
@@ -133,7 +300,7 @@ class DraftModelProposer(Proposer):
             )
         if target_tokenizer is not None:
             _check_same_tokenizer(Path(config.path), target_tokenizer)
-        self.drafter = DraftModelDrafter(self.pipeline)
+        self.drafter = DraftModelDrafter(self.pipeline, self.tree)
 
     @property
     def cache_name(self) -> str:
@@ -142,10 +309,43 @@ class DraftModelProposer(Proposer):
     def reserve(self, ctx: TextContext, gamma: int) -> None:
         self.pipeline.reserve(ctx, self.kv_tokens(len(ctx.tokens), gamma))
 
+    def _tree_rows(self, gamma: int) -> int:
+        """Draft KV rows a tree step writes after the context (0: chains)."""
+        t = self.tree
+        if t is None:
+            return 0
+        return (t.depth - 1) * t.top_k if t.kind == "dynamic" else gamma
+
     def kv_tokens(self, num_tokens: int, gamma: int) -> int:
+        if self.tree is not None:
+            return num_tokens + self._tree_rows(gamma)
         return num_tokens + max(gamma - 1, 0)  # catch up on every unseen token, then γ - 1 drafts
 
+    def _prepare_tree(self, batch: list[TextContext], gamma: int, num_draft: list[int]) -> DraftModelBatch:
+        packed = self.pipeline.prepare(batch)  # the catch-up: the root's distribution
+        bs = self.pipeline.caches[0].block_size
+        rows = self._tree_rows(gamma)
+        lens = np.asarray([len(c.tokens) for c in batch], dtype=np.int64)  # [B] the first tree row's key index
+        tbl = block_table_array([c.kv[self.cache_name].blocks for c in batch])  # [B, max_blocks]
+        p = np.arange(int(lens.max()) + rows)
+        gather = tbl[:, np.minimum(p // bs, tbl.shape[1] - 1)] * bs + p % bs  # [B, S + rows]
+        tree_slots = gather[np.arange(len(batch))[:, None], lens[:, None] + np.arange(rows)[None, :]]  # [B, rows]
+        for c in batch:
+            self._tree_base[c.request_id] = c.kv[self.cache_name].num_tokens
+            c.kv[self.cache_name].num_tokens += rows
+        return move_tensors(DraftModelBatch(
+            gamma=gamma,
+            num_draft=torch.tensor(num_draft, dtype=torch.long),
+            first_position=torch.from_numpy(lens),
+            catch_up=packed.inputs,
+            gather_slots=torch.from_numpy(np.ascontiguousarray(gather[:, : int(lens.max())])),
+            max_len=int(lens.max()),
+            tree_slots=torch.from_numpy(np.ascontiguousarray(tree_slots)),
+        ), self.pipeline.device)
+
     def prepare(self, batch: list[TextContext], gamma: int, num_draft: list[int]) -> DraftModelBatch:
+        if self.tree is not None:
+            return self._prepare_tree(batch, gamma, num_draft)
         packed = self.pipeline.prepare(batch)  # the catch-up; its KV cache serves every step
         bs = self.pipeline.caches[0].block_size
         steps = max(gamma - 1, 0)
@@ -178,10 +378,14 @@ class DraftModelProposer(Proposer):
 
     def commit(self, ctx: TextContext, num_committed: int) -> None:
         # Keep the fed draft tokens that were accepted (they equal committed tokens);
-        # the last committed token is fed next step.
-        self.pipeline.truncate(ctx, min(ctx.processed(self.cache_name), num_committed - 1))
+        # the last committed token is fed next step. A tree's rows are dropped
+        # whole: the next catch-up recomputes the accepted path.
+        keep = min(ctx.processed(self.cache_name), num_committed - 1)
+        base = self._tree_base.pop(ctx.request_id, None)
+        self.pipeline.truncate(ctx, keep if base is None else min(keep, base))
 
     def free(self, ctx: TextContext) -> None:
+        self._tree_base.pop(ctx.request_id, None)
         self.pipeline.free(ctx)
 
 
