@@ -19,7 +19,9 @@ field) also runs as ``<name>_tree``, an EAGLE-2-style dynamic tree
 method's γ for a tree) takes each value of ``tree_budgets``. Those rows sit
 beside the chains (``best``, ``speedup``, ``tau`` name them ``<name>_tree``);
 ``tree_budget`` in the JSON gives τ, speedup, mean tree size and accepted
-length per step against the budget. Their analytic limit counts the tree's
+length per step against the budget; ``tree_vs_chain`` compares, per drafter,
+its best tree with its best chain (best τ of each and their ratio, best
+speedup of each: the issue's goal is τ ratio >= 1.15 and a higher speedup). Their analytic limit counts the tree's
 draft forwards (``tree_depth`` of them: the catch-up and one per level below
 the first) rather than γ.
 
@@ -74,7 +76,8 @@ class SpecBenchConfig:
     threads: int = 2
     device: str = "cpu"  # cuda: see gpu.sh
     compile: bool = False  # runtime.compile for every pipeline
-    trees: list[str] = field(default_factory=lambda: ["draft_model"])  # also run as <name>_tree (dynamic tree)
+    # also run as <name>_tree (dynamic tree; EAGLE heads too: eagle_tree, eagle3_tree)
+    trees: list[str] = field(default_factory=lambda: ["draft_model", "eagle", "eagle3"])
     tree_budgets: list[int] = field(default_factory=lambda: [4, 8, 16])  # nodes per request per step
     tree_top_k: int = 4
     tree_depth: int = 5
@@ -193,8 +196,27 @@ def main(argv: list[str]) -> None:
                                               "accepted_length": round(r["accepted_len"], 3)}
                             for r in rows if r["proposer"] == p}
                         for p in dict.fromkeys(r["proposer"] for r in rows if r["proposer"].endswith(TREE_SUFFIX))},
+        "tree_vs_chain": tree_vs_chain(rows),
         "outputs_equal": all(r["equal"] for r in rows),
     })
+
+
+def tree_vs_chain(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per drafter with both: best τ and best speedup of its trees and of its chains."""
+    out = {}
+    for p in dict.fromkeys(r["proposer"] for r in rows):
+        if not p.endswith(TREE_SUFFIX):
+            continue
+        chain = [r for r in rows if r["proposer"] == p[: -len(TREE_SUFFIX)]]
+        tree = [r for r in rows if r["proposer"] == p]
+        if not chain:
+            continue
+        ct, tt = max(r["tau"] for r in chain), max(r["tau"] for r in tree)
+        out[p] = {"best_chain_tau": round(ct, 3), "best_tree_tau": round(tt, 3),
+                  "tau_ratio": round(tt / ct, 3) if ct else 0.0,
+                  "best_chain_speedup": round(max(r["speedup"] for r in chain), 3),
+                  "best_tree_speedup": round(max(r["speedup"] for r in tree), 3)}
+    return out
 
 
 if __name__ == "__main__":

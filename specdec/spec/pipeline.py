@@ -120,11 +120,14 @@ class DraftAndVerify(nn.Module):
     """
 
     def __init__(self, target: nn.Module, drafter: Drafter, *, drafts_after_verify: bool,
-                 state: RequestStateStore) -> None:
+                 state: RequestStateStore, tree_facts: tuple[int | None, int | None] | None = None) -> None:
         super().__init__()
         self.target = target
         self.drafter = drafter
         self.drafts_after_verify = drafts_after_verify
+        # A drafter that drafts trees after verification: (max_depth, max_children)
+        # of its trees (host facts); the store keeps their parents and node counts.
+        self.tree_facts = tree_facts
         self.state = state
         self.draft_time = 0.0  # seconds spent in the drafter (host clock)
         self.target_time = 0.0
@@ -137,7 +140,14 @@ class DraftAndVerify(nn.Module):
         # (A greedy step reads no probabilities: a slot's are stale when its last sampled step was another request's.)
         sampled = "draft_probs" in self.state.tensors and not sampling.all_greedy
         probs = self.state.gather("draft_probs", slots)[:, :g] if sampled else None
-        return DraftTree.chain(self.state.gather("draft_tokens", slots)[:, :g], probs)
+        tokens = self.state.gather("draft_tokens", slots)[:, :g]
+        if self.tree_facts is None:
+            return DraftTree.chain(tokens, probs)
+        # A prefix of each stored tree is a tree (parents first): _place_tree cuts it to num_draft.
+        max_depth, max_children = self.tree_facts
+        return DraftTree(tokens=tokens, parents=self.state.gather("draft_parents", slots)[:, :g], probs=probs,
+                         is_chain=False, num_nodes=self.state.gather("draft_num_nodes", slots),
+                         max_depth=max_depth, max_children=max_children)
 
     def forward(
         self,
@@ -208,7 +218,9 @@ class DraftAndVerify(nn.Module):
             hidden = target_out.hidden_states.view(b, logits.shape[1], -1)
             aux_hidden = aux.view(b, logits.shape[1], -1) if aux is not None else None
             bonus_at = acc.unsqueeze(1)  # [B, 1] row (of the verified ones) that produced the bonus
+            path_rows = None
             if path is not None:  # a tree: row j of the step is the j-th row of the accepted path
+                path_rows = torch.where(path >= 0, logit_rows.gather(1, path.clamp(min=0)), -1)
                 on = path.clamp(min=0).unsqueeze(-1)
                 hidden = hidden.gather(1, on.expand(-1, -1, hidden.shape[-1]))
                 if aux_hidden is not None:
@@ -227,9 +239,14 @@ class DraftAndVerify(nn.Module):
                 aux_rows=target_out.row_aux_hidden_states,
                 inputs=target_inputs if target_inputs.all_hidden else None,
                 host=draft_host,
+                path=path_rows,
             )
             nxt = self.drafter.draft_after(step, next_gamma, sampling)
             self.state.tensors["draft_tokens"][slots, :next_gamma] = nxt.tokens
+            if self.tree_facts is not None:
+                self.state.tensors["draft_parents"][slots, :next_gamma] = nxt.parents
+                nodes = nxt.num_nodes if nxt.num_nodes is not None else torch.full_like(slots, next_gamma)
+                self.state.tensors["draft_num_nodes"][slots] = nodes
             if nxt.probs is not None:
                 self.state.tensors["draft_probs"][slots, :next_gamma] = nxt.probs
         self.draft_time += (t1 - t0) + (time.perf_counter() - t3)
@@ -306,6 +323,9 @@ def state_specs(proposer: Proposer, vocab_size: int) -> list[StateSpec]:
         specs.append(StateSpec("draft_tokens", torch.long, ("max_draft",)))
         if proposer.samples_drafts:
             specs.append(StateSpec("draft_probs", torch.float32, ("max_draft", vocab_size)))
+        if proposer.drafts_trees:  # the trees' shapes too (tokens alone are a chain)
+            specs.append(StateSpec("draft_parents", torch.long, ("max_draft",), fill=-1))
+            specs.append(StateSpec("draft_num_nodes", torch.long))
     own = proposer.state_specs()
     clash = {s.name for s in own} & {s.name for s in specs}
     if clash:
@@ -348,7 +368,8 @@ class SpecDecodePipelineModel:
             proposer.draft_model.attach_state_store(self.state)
         # The target decoder class builds the module we call as a submodule.
         self.module = DraftAndVerify(target.build_module(), proposer.drafter,
-                                     drafts_after_verify=proposer.drafts_after_verify, state=self.state)
+                                     drafts_after_verify=proposer.drafts_after_verify, state=self.state,
+                                     tree_facts=proposer.tree_facts if proposer.drafts_trees else None)
         self.counts: dict[str, SpecCounts] = {}
         self.num_target_forwards = 0
         # Drafts waiting in the state store per request (a drafter that drafts

@@ -126,7 +126,7 @@ def _medusa_case(tiny_llama, generate, greedy_margin, data) -> None:
     _check_exact(generate, greedy_margin, target, method, ps, sps, block)
 
 
-@HYP
+@settings(HYP, max_examples=12)  # (a K-head pass is all a Medusa drafter adds: fewer examples)
 @given(data=st.data())
 def test_medusa_greedy_is_exact(tiny_llama, generate, greedy_margin, data) -> None:
     _medusa_case(tiny_llama, generate, greedy_margin, data)
@@ -190,6 +190,13 @@ METHODS = {
                                                num_speculative_tokens=g),
     "eagle3": lambda tiny_llama, g: Eagle3Config(
         path=str(head_for(_target(tiny_llama, "loopy"), "eagle3-small-vocab")), num_speculative_tokens=g),
+    # EAGLE trees (γ: the node budget): EAGLE-2's dynamic tree, EAGLE-1's static tree (echo head: accepted paths).
+    "eagle3_tree": lambda tiny_llama, g: Eagle3Config(
+        path=str(head_for(_target(tiny_llama, "loopy"), "eagle3-small-vocab")), num_speculative_tokens=g,
+        tree=TreeConfig(kind="dynamic", top_k=3, depth=4)),
+    "eagle_static_tree": lambda tiny_llama, g: EagleConfig(
+        path=str(head_for(_target(tiny_llama, "loopy"), "eagle-echo")), num_speculative_tokens=g,
+        tree=TreeConfig(kind="static", choices=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]])),
     "medusa": lambda tiny_llama, g: MedusaConfig(path=str(medusa_for(_target(tiny_llama, "loopy"), "medusa-echo")),
                                                  num_speculative_tokens=g),
 }

@@ -161,6 +161,10 @@ class TargetStep:
     aux_rows: torch.Tensor | None = None  # [T, k·H] inputs of target_layers at every packed row (needs_all_rows)
     inputs: DecoderInputs | None = None  # the target's packed inputs (drafts filled in) (needs_all_rows)
     host: Any = None  # what the proposer's prepare_after packed on the host for this step
+    # A tree step (the verified drafts branched): [B, D+1] packed row of each
+    # row of the accepted path (root first, the bonus row at num_accepted), -1
+    # past it; row j of ``hidden`` / ``tokens`` is path row j. None: chains.
+    path: torch.Tensor | None = None
 
 
 class Drafter(nn.Module):
@@ -193,6 +197,11 @@ class Proposer(ABC):
     # True (with drafts_after_verify): the drafter catches up on every packed
     # row the target was fed (TargetStep.rows …), prefill chunks included.
     needs_all_rows: ClassVar[bool] = False
+    # True (with drafts_after_verify): the drafts left in the store are trees
+    # (DraftTree.is_chain False): the store keeps their parents and node counts
+    # too, and ``tree_facts`` gives their host facts (max_depth, max_children).
+    drafts_trees: bool = False
+    tree_facts: tuple[int | None, int | None] = (None, None)
     drafter: Drafter
 
     def state_specs(self) -> list[StateSpec]:

@@ -13,7 +13,23 @@ Each step, inside the draft-and-verify module and after the target verified:
    state with the token just drafted, at positions bonus + 1, bonus + 2, …
 
 The drafts (and their distribution, when sampling) wait in the shared state
-store for the next step. The head's paged KV cache (one layer) is rolled back
+store for the next step.
+
+**Token trees** (``tree=TreeConfig(kind=dynamic|static)``, specdec/spec/tree.py;
+γ is then the node budget): after the catch-up, the head drafts a top-k tree
+instead of γ - 1 steps — ``dynamic`` (EAGLE-2: ``depth - 1`` frontier
+expansions of ``top_k`` nodes by cumulative log-probability, the best γ
+nodes kept) or ``static`` (the ``choices`` paths, one forward per level).
+Each frontier node runs as its own one-token row fed (its parent's ``h``,
+its token) at position bonus + depth, whose keys are the request's committed
+head keys, then its ancestors' rows, then its own (key index == position),
+written to per-request scratch slots past everything the step fed. The tree
+waits in the store (tokens, parents, node count: deterministic, no q). The
+next step verifies it in one target forward; the catch-up then runs over
+the root and *all* tree rows with the target's ``tree_mask`` and rope
+positions, the token after each row of the accepted path being the next
+path token (the bonus after the last), and the head's KV entries of the
+accepted path are compacted into place exactly as the target's were. The head's paged KV cache (one layer) is rolled back
 in step with the target's: it holds one entry per committed token but the
 last, like the target's. Host work per step is one small packing
 (:meth:`EagleProposer.prepare_after`): slots of every fed row and of the
@@ -25,8 +41,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, replace
-from typing import List, Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, List, Optional
 
 import numpy as np
 import torch
@@ -40,6 +56,15 @@ from specdec.core.pipeline_model import compile_decoder
 from specdec.core.registry import Role
 from specdec.models.eagle import EagleHead, check_head_fits
 from specdec.sampling import LANE_DRAFT, SamplingTensors, greedy_tokens, probs_from_logits, sample_from
+from specdec.spec.tree import (
+    TreeConfig,
+    accepted_slot_moves,
+    compact_kv,
+    dynamic_tree_select,
+    expand_topk,
+    static_tree,
+    static_tree_tokens,
+)
 from specdec.spec.proposers.base import (
     Drafter,
     DraftTree,
@@ -54,8 +79,15 @@ from specdec.spec.proposers.base import (
 @dataclass(frozen=True)
 class EagleConfig(ProposerConfig):
     path: str = ""  # the head's checkpoint directory (published EAGLE-1 layout)
+    # Draft shape: a chain of γ tokens (default), or a static / dynamic top-k tree
+    # whose node budget is γ (tree.total_tokens, when set, becomes γ): TreeConfig.
+    tree: TreeConfig = field(default_factory=TreeConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.tree, dict):  # LLM(method={"name": ..., "tree": {...}})
+            object.__setattr__(self, "tree", TreeConfig(**self.tree))
+        if self.tree.is_tree:  # γ counts the tree's nodes (rows verified per request)
+            object.__setattr__(self, "num_speculative_tokens", self.tree.budget(self.num_speculative_tokens))
         super().__post_init__()
         if not self.path:
             raise ValueError("path (the EAGLE head's checkpoint directory) is required")
@@ -79,14 +111,18 @@ class EagleStepInputs:
     fix_tokens: torch.Tensor | None  # [C] the prompt token after it
     rows: torch.Tensor  # [B] 0..B-1 (the one-token steps' index tensors)
     q_index: torch.Tensor  # [B, 1]
+    tree_slots: torch.Tensor | None = None  # [B, R] a tree's scratch slots, past every fed row (trees only)
+    max_ctx: int = 0  # host: the most keys a request holds after the catch-up (trees)
 
 
 class EagleDrafter(Drafter):
     """Device half: the head as a submodule (target embedding / lm_head borrowed)."""
 
-    def __init__(self, head: EagleHead) -> None:
+    def __init__(self, head: EagleHead, tree: TreeConfig | None = None) -> None:
         super().__init__()
         self.head = head
+        self.tree = tree if tree is not None and tree.is_tree else None
+        self._static: dict[int, Any] = {}  # static tree cut to n nodes -> its tensors and host facts
 
     def _pick(self, logits: torch.Tensor, sampling: SamplingTensors, pos: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -102,14 +138,30 @@ class EagleDrafter(Drafter):
         b = bonus_row.shape[0]
         # (1) catch-up: row t pairs the target's feature at t with the token at t + 1.
         bonus = step.tokens.gather(1, step.num_accepted.unsqueeze(1)).squeeze(1)  # [B]
-        nxt = torch.roll(inp.tokens, -1).index_put((bonus_row,), bonus)  # [T]
+        nxt = torch.roll(inp.tokens, -1)
+        if step.path is None:
+            nxt = nxt.index_put((bonus_row,), bonus)  # [T]
+        else:  # a tree step: along the accepted path, the next path token; the bonus after the last
+            on = step.path >= 0
+            at = torch.where(on, step.path, bonus_row.unsqueeze(1))  # (past the path: the bonus row again)
+            nxt = nxt.index_put((at.reshape(-1),), torch.where(on, step.tokens, bonus.unsqueeze(1)).reshape(-1))
         if host.fix_rows is not None:
             nxt = nxt.index_put((host.fix_rows,), host.fix_tokens)
+        # (A tree step keeps the target's tree_mask, rope positions and q_pos (key indices).)
         catch = replace(inp, tokens=nxt, slot_mapping=host.slot_mapping,
                         gather_slots=host.gather_slots[:, : host.catch_keys].contiguous(),
                         logit_index=bonus_row, kv_cache=host.kv, capture_layers=(), all_hidden=False)
         h, logits = self.head(catch, self.head.project(step.rows, step.aux_rows))  # [B, H], [B, V]
+        if step.path is not None:  # the accepted path's head KV into place, as the target's
+            logit_rows = inp.logit_index.view(b, -1)  # [B, N+1] rows of the verified tree (0: root)
+            rel = torch.where(step.path >= 0, step.path - logit_rows[:, :1], -1)
+            src, dst = accepted_slot_moves(rel, host.slot_mapping.index_select(0, inp.logit_index).view(b, -1))
+            compact_kv(host.kv, src, dst)
         pos0 = inp.positions.index_select(0, bonus_row)  # [B] position of each bonus row
+        if self.tree is not None:
+            if self.tree.kind == "dynamic":
+                return self._dynamic_tree(host, pos0, h, logits, gamma)
+            return self._static_tree(host, pos0, h, logits, gamma)
         toks, probs = [], []
         for j in range(gamma):
             t, p = self._pick(logits, sampling, pos0 + 2 + j)  # draft j takes position pos0 + 2 + j
@@ -131,6 +183,133 @@ class EagleDrafter(Drafter):
                 h, logits = self.head(one, h)
         return DraftTree.chain(torch.stack(toks, 1), torch.stack(probs, 1) if probs else None)
 
+    # -- token trees ----------------------------------------------------------------
+    def _run_nodes(self, host: EagleStepInputs, pos0: torch.Tensor, tokens: torch.Tensor, feature: torch.Tensor,
+                   own: torch.Tensor, anc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``M`` tree nodes per request, all at depth ``A + 1``, in one head forward
+        -> (h [B, M, H], logits [B, M, V]). Node ``(b, m)`` is the pair (its
+        parent's h ``feature[b, m]``, its token ``tokens[b, m]``) at position
+        ``pos0[b] + 1 + A``; it writes scratch slot ``own[b, m]`` and, fed as a
+        one-token request, reads its request's committed keys (positions
+        ``0 … pos0[b]``), its ``A`` ancestors' slots ``anc[b, m]`` (root side
+        first), then its own: key index == position."""
+        b, m = tokens.shape
+        a = anc.shape[2]
+        dev = tokens.device
+        lens = pos0 + 1  # [B] committed head keys
+        s = host.max_ctx + a + 1
+        j = torch.arange(s, device=dev)
+        rel = j - lens.unsqueeze(1)  # [B, S] < 0: context, [0, A): an ancestor, A: the node itself
+        width = host.gather_slots.shape[1]
+        ctx = host.gather_slots.gather(1, j.clamp(max=width - 1).expand(b, s))  # [B, S]
+        own3 = own.unsqueeze(2)  # [B, M, 1]
+        if a:
+            anc_part = anc.gather(2, rel.clamp(0, a - 1).unsqueeze(1).expand(b, m, s))
+            tail = torch.where((rel < a).unsqueeze(1), anc_part, own3)
+        else:
+            tail = own3.expand(b, m, s)
+        slots = torch.where((rel < 0).unsqueeze(1), ctx.unsqueeze(1), tail)  # [B, M, S] (past the node: masked)
+        pos = (lens + a).unsqueeze(1).expand(b, m).reshape(-1)  # [B·M]
+        bm = b * m
+        ar = torch.arange(bm, device=dev)
+        one = DecoderInputs(
+            tokens=tokens.reshape(-1), positions=pos, slot_mapping=own.reshape(-1),
+            gather_slots=slots.reshape(bm, s).contiguous(), q_index=ar.unsqueeze(1), q_pos=pos.unsqueeze(1),
+            out_index=ar, logit_index=ar.clone(),  # (distinct tensors: a compiled head guards on aliasing)
+            kv_cache=host.kv, single_request=bm == 1,
+            mask=MaskKind.EXPLICIT,  # (a request's context may end before max_ctx: always masked)
+        )
+        h, logits = self.head(one, feature.reshape(bm, -1))
+        return h.view(b, m, -1), logits.view(b, m, -1)
+
+    def _dynamic_tree(self, host: EagleStepInputs, pos0: torch.Tensor, h0: torch.Tensor, logits: torch.Tensor,
+                      n: int) -> DraftTree:
+        """EAGLE-2's tree with the head (tree.expand_topk, dynamic_tree_select), ``n`` nodes."""
+        cfg = self.tree
+        assert cfg is not None and host.tree_slots is not None
+        k = cfg.top_k
+        b = logits.shape[0]
+        calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (anc, own, h) of each frontier run
+
+        def draft_fn(tok: torch.Tensor, front_parent: torch.Tensor) -> torch.Tensor:
+            c = len(calls)
+            own = host.tree_slots[:, c * k : (c + 1) * k]  # [B, K] scratch rows of this frontier
+            if c == 0:
+                anc = own.new_zeros(b, k, 0)
+                feat = h0.unsqueeze(1).expand(b, k, h0.shape[-1])
+            else:  # the parent's ancestors, then the parent
+                pa, po, ph = calls[c - 1]
+                anc = torch.cat([pa.gather(1, front_parent.unsqueeze(2).expand(-1, -1, c - 1)),
+                                 po.gather(1, front_parent).unsqueeze(2)], 2)
+                feat = ph.gather(1, front_parent.unsqueeze(2).expand(-1, -1, ph.shape[-1]))
+            hh, lg = self._run_nodes(host, pos0, tok, feat, own, anc)
+            calls.append((anc, own, hh))
+            return torch.log_softmax(lg.float(), -1)
+
+        cand = expand_topk(torch.log_softmax(logits.float(), -1), draft_fn, cfg.depth, k)
+        sel = dynamic_tree_select(cand.scores.nan_to_num(nan=float("-inf")), cand.parents, n)
+        tokens, parents = cand.tokens.gather(1, sel.index), sel.parents
+        if tokens.shape[1] < n:  # fewer candidates than the budget (small top_k · depth)
+            pad = n - tokens.shape[1]
+            tokens = torch.cat([tokens, tokens.new_zeros(b, pad)], 1)
+            parents = torch.cat([parents, parents.new_full((b, pad), -1)], 1)
+        return DraftTree(tokens=tokens, parents=parents, is_chain=False, num_nodes=sel.num_nodes,
+                         max_depth=cfg.depth, max_children=k)
+
+    def static_shape(self, n: int, device: torch.device | str = "cpu") -> Any:
+        """The static tree cut to its first ``n`` nodes: (parents, ranks, levels
+        [(lo, hi)], ancestors [n, D-1], top-k needed, max depth, max children)."""
+        if n not in self._static:
+            assert self.tree is not None and self.tree.choices is not None
+            self._static[n] = static_tree_shape(self.tree.choices, n, device)
+        return self._static[n]
+
+    def _static_tree(self, host: EagleStepInputs, pos0: torch.Tensor, h0: torch.Tensor, logits: torch.Tensor,
+                     n: int) -> DraftTree:
+        """The static ``choices`` tree (``n`` nodes), one head forward per level but the last."""
+        assert host.tree_slots is not None
+        par, ranks, levels, anc, kmax, max_depth, max_kids = self.static_shape(n, logits.device)
+        b = logits.shape[0]
+        top = logits.new_zeros(b, n + 1, kmax, dtype=torch.long)  # top tokens at each row (0: the root)
+        top[:, 0] = logits.topk(kmax, dim=-1).indices
+        hs = h0.new_zeros(b, n + 1, h0.shape[-1])  # the head's h at each row (0: the root)
+        hs[:, 0] = h0
+        tokens = logits.new_zeros(b, n, dtype=torch.long)
+        for d, (lo, hi) in enumerate(levels, start=1):
+            tokens[:, lo:hi] = static_tree_tokens(par[lo:hi], ranks[lo:hi], top)
+            if d < len(levels):  # this level's nodes have children: run them
+                own = host.tree_slots[:, lo:hi]
+                anc_slots = host.tree_slots.index_select(1, anc[lo:hi, : d - 1].reshape(-1)).view(b, hi - lo, d - 1)
+                feat = hs.index_select(1, par[lo:hi] + 1)  # [B, M, H] the parents' h
+                hh, lg = self._run_nodes(host, pos0, tokens[:, lo:hi], feat, own, anc_slots)
+                hs[:, lo + 1 : hi + 1] = hh
+                top[:, lo + 1 : hi + 1] = lg.topk(kmax, dim=-1).indices
+        return DraftTree(tokens=tokens, parents=par.expand(b, n), is_chain=False,
+                         num_nodes=torch.full((b,), n, dtype=torch.long, device=logits.device),
+                         max_depth=max_depth, max_children=max_kids)
+
+
+def static_tree_shape(choices: Any, n: int, device: torch.device | str = "cpu") -> tuple[Any, ...]:
+    """A static tree cut to its first ``n`` nodes: (parents [n], ranks [n], levels
+    [(lo, hi)] per depth, ancestors [n, D - 1] root side first, top-k needed,
+    max depth, max children)."""
+    st = static_tree(choices)
+    par, ranks, dep = st.parents[:n], st.ranks[:n], st.depths[:n].tolist()
+    levels = []
+    for d in range(1, max(dep) + 1):
+        idx = [i for i, x in enumerate(dep) if x == d]
+        levels.append((idx[0], idx[-1] + 1))
+    anc = torch.zeros(n, max(max(dep) - 1, 0), dtype=torch.long)
+    for i in range(n):
+        chain, p = [], int(par[i])
+        while p >= 0:
+            chain.append(p)
+            p = int(par[p])
+        anc[i, : len(chain)] = torch.tensor(chain[::-1], dtype=torch.long)
+    kids = torch.bincount(par + 1, minlength=n + 1)
+    return (par.to(device), ranks.to(device), levels, anc.to(device), int(ranks.max()) + 1, max(dep),
+            int(kids.max()))
+
 
 @register_proposer("eagle", EagleConfig)
 class EagleProposer(Proposer):
@@ -143,6 +322,16 @@ class EagleProposer(Proposer):
 
     def __init__(self, config: EagleConfig, deps: ProposerDeps) -> None:
         self.config = config
+        self.tree = config.tree if config.tree.is_tree else None
+        if self.tree is not None:  # top-k trees: deterministic drafts (no q), their shapes in the store
+            self.drafts_trees = True
+            self.samples_drafts = False  # type: ignore[misc]
+            g = config.num_speculative_tokens
+            if self.tree.kind == "dynamic":
+                self.tree_facts = (self.tree.depth, self.tree.top_k)
+            elif g:
+                shape = static_tree_shape(self.tree.choices, g)
+                self.tree_facts = (shape[5], shape[6])
         target, rt = deps.target, deps.runtime
         tcfg = target.config
         dtype = getattr(torch, rt.dtype) if rt.dtype else None
@@ -169,8 +358,8 @@ class EagleProposer(Proposer):
             compile_decoder(head)
         self.head = head
         g = config.num_speculative_tokens
-        # Room for everything the target holds plus each request's 2γ+1 lookahead.
-        per_req = -(-(2 * g + 1) // rt.block_size)
+        # Room for everything the target holds plus each request's 2γ+1 lookahead (and tree rows).
+        per_req = -(-(2 * g + 1 + self._tree_rows(g)) // rt.block_size)
         blocks = target.num_blocks + rt.max_batch_size * per_req
         lc = head.config.layer
         self.cache = PagedKVCache(KVCacheParams(num_layers=1, num_kv_heads=lc.num_key_value_heads,
@@ -179,7 +368,7 @@ class EagleProposer(Proposer):
                                                 device=rt.device), "eagle")
         self.device = torch.device(rt.device)
         self.target_cache = target.cache_name
-        self.drafter = EagleDrafter(head)
+        self.drafter = EagleDrafter(head, self.tree)
         self._index: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- KV bookkeeping ----------------------------------------------------------------
@@ -189,8 +378,16 @@ class EagleProposer(Proposer):
             table = ctx.kv[self.cache.name] = BlockTable()
         return table
 
+    def _tree_rows(self, gamma: int) -> int:
+        """Head KV rows a tree's drafting writes past every fed row (0: chains)."""
+        t = self.tree
+        if t is None:
+            return 0
+        return (t.depth - 1) * t.top_k if t.kind == "dynamic" else gamma
+
     def kv_tokens(self, num_tokens: int, gamma: int) -> int:
-        return num_tokens + 2 * gamma + 1  # rows fed (≤ tokens + γ) and γ - 1 draft steps past them
+        # rows fed (≤ tokens + γ) and γ - 1 draft steps past them, or a tree's scratch rows
+        return num_tokens + 2 * gamma + 1 + self._tree_rows(gamma)
 
     def reserve(self, ctx: TextContext, gamma: int) -> None:
         self.cache.reserve(self._table(ctx), self.kv_tokens(len(ctx.tokens), gamma))
@@ -215,7 +412,8 @@ class EagleProposer(Proposer):
         ctx_len = starts + ln  # [B]
         bs = self.cache.block_size
         tbl = block_table_array([t.blocks for t in tables])  # [B, max_blocks]
-        width = int(ctx_len.max()) + max(gamma, 1)  # catch-up keys, then up to γ - 1 draft positions
+        rows = self._tree_rows(gamma)
+        width = int(ctx_len.max()) + max(gamma, 1, rows)  # catch-up keys, then γ - 1 draft positions / tree rows
         p = np.arange(width)
         gather = tbl[:, np.minimum(p // bs, tbl.shape[1] - 1)] * bs + p % bs  # [B, S]
         req = np.repeat(np.arange(len(batch)), ln)
@@ -231,9 +429,13 @@ class EagleProposer(Proposer):
                 fix_rows.append(int(end[i]) - 1)
                 fix_tokens.append(c.tokens[s + n])
         b = len(batch)
-        rows, q_index = self._index.get(b) or self._index.setdefault(
+        rows_, q_index = self._index.get(b) or self._index.setdefault(
             b, (torch.arange(b, device=self.device), torch.arange(b, device=self.device).unsqueeze(1)))
         dev = self.device
+        tree_slots = None
+        if self.tree is not None:  # a tree's scratch rows: past every row fed this step (never a committed key)
+            ts = gather[np.arange(len(batch))[:, None], ctx_len[:, None] + np.arange(rows)[None, :]].reshape(b, rows)
+            tree_slots = torch.from_numpy(np.ascontiguousarray(ts)).to(dev)
         return EagleStepInputs(
             kv=self.cache.tensors,
             slot_mapping=torch.from_numpy(slot_mapping).to(dev),
@@ -241,7 +443,7 @@ class EagleProposer(Proposer):
             catch_keys=int(packed.inputs.gather_slots.shape[1]),
             fix_rows=torch.tensor(fix_rows, dtype=torch.long, device=dev) if fix_rows else None,
             fix_tokens=torch.tensor(fix_tokens, dtype=torch.long, device=dev) if fix_rows else None,
-            rows=rows, q_index=q_index,
+            rows=rows_, q_index=q_index, tree_slots=tree_slots, max_ctx=int(ctx_len.max()),
         )
 
     # -- cost ------------------------------------------------------------------------------
