@@ -370,9 +370,11 @@ def check_head_fits(head_config: EagleHeadConfig, target: LlamaConfig, where: st
         problems.append(f"its vocab_size is {head_config.vocab_size}, the target's {target.vocab_size}")
     if head_config.num_draft_vocab > target.vocab_size:
         problems.append(f"its draft vocabulary ({head_config.num_draft_vocab}) is larger than the target's")
-    bad = [i for i in head_config.fused_layers(target.num_hidden_layers) if not 0 <= i < target.num_hidden_layers]
+    n = target.num_hidden_layers  # id n: the last layer's output (before the final norm)
+    bad = [i for i in head_config.fused_layers(n) if not 0 <= i <= n]
     if bad:
-        problems.append(f"its aux layer ids {bad} are not layers of the target (0..{target.num_hidden_layers - 1})")
+        problems.append(f"its aux layer ids {bad} are not layers of the target (inputs of 0..{n - 1}, "
+                        f"or {n}: the last layer's output)")
     if problems:
         raise ValueError(f"EAGLE head {where} does not fit the target: " + "; ".join(problems))
 

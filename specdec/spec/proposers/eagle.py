@@ -344,10 +344,11 @@ class EagleProposer(Proposer):
         aux = getattr(config, "aux_layers", None)
         layers = tuple(aux) if aux is not None else head.config.fused_layers(tcfg.num_hidden_layers)
         if self.kind == "eagle3":
-            bad = [i for i in layers if not 0 <= i < tcfg.num_hidden_layers]
+            # (id L, one past the last layer, is the last layer's output before the final norm)
+            bad = [i for i in layers if not 0 <= i <= tcfg.num_hidden_layers]
             if len(layers) != 3 or bad:
                 raise ValueError(f"method.eagle3.aux_layers={list(layers)}: need three layers of the target "
-                                 f"(0..{tcfg.num_hidden_layers - 1})")
+                                 f"(0..{tcfg.num_hidden_layers}; {tcfg.num_hidden_layers}: the last one's output)")
         self.target_layers = layers
         built = target.build_module()  # the target module the step calls: borrow its embedding and head
         head.attach_target(built.model.embed_tokens, built.lm_head)
