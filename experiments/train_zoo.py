@@ -15,6 +15,7 @@ import hashlib
 import json
 import platform
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -22,7 +23,12 @@ from pathlib import Path
 import torch
 
 from specdec.core.checkpoint import load_decoder, load_tokenizer
+from specdec.logging import LoggerConfig
 from specdec.train import corpus, lm
+from specdec.train.app import train as train_app
+from specdec.train.config import EvalConfig, RecipeConfig, TargetDir, TrainAppConfig
+from specdec.train.data import DataConfig
+from specdec.train.draft import evenly_spread
 from specdec.train.export import round_to_bf16_, save_hf
 from specdec.train.tokenizer import EOS_TOKEN, encode_documents, train_tokenizer
 
@@ -97,24 +103,27 @@ def main(argv: list[str] | None = None) -> int:
     print(f"target: held-out loss {t_loss_fp32:.4f} (fp32) {t_loss:.4f} (bf16) in {t_stats.wall_time_s:.0f}s", flush=True)
     save_hf(target, tok, out / "code-target")
 
-    # --- draft (distilled from the target) ----------------------------------------
-    dcfg = DRAFT.config(vocab, eos, eos)
-    draft = lm.build_model(dcfg, args.seed + 1)
-    # start from the target's embedding, final norm, first and last layer
+    # --- draft: the framework's draft_model recipe (python -m specdec.train train=draft_model) ---
+    # distilled from the saved (bf16) target: KL(target || draft) at every position, starting
+    # from copies of the target's embedding, final norm, first and last layer
     t, d = TARGET.num_hidden_layers, DRAFT.num_hidden_layers
-    draft_init_layers = [round(i * (t - 1) / (d - 1)) for i in range(d)] if d > 1 else [0]
-    lm.init_from_teacher(draft, target, draft_init_layers)
-    d_train = lm.TrainConfig(steps=args.draft_steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                             lr=args.draft_lr, warmup_steps=min(100, args.draft_steps // 10 + 1),
-                             seed=args.seed + 1, kd_weight=1.0, kd_temperature=1.0)
-    for p in target.parameters():
-        p.requires_grad_(False)
-    d_stats = lm.train_lm(draft, train_ids, d_train, teacher=target, desc="draft (distill)")
-    d_loss_fp32 = lm.eval_loss(draft, windows)
-    round_to_bf16_(draft)
+    draft_init_layers = evenly_spread(t, d)
+    d_train = RecipeConfig(recipe="draft_model", steps=args.draft_steps, batch_size=args.batch_size,
+                           seq_len=args.seq_len, lr=args.draft_lr, warmup_steps=min(100, args.draft_steps // 10 + 1),
+                           weight_decay=0.1, betas=(0.9, 0.95), grad_clip=1.0, layers=d,
+                           init_layers=draft_init_layers, kd_weight=1.0, kd_temperature=1.0)
+    with tempfile.TemporaryDirectory(prefix="train-draft-") as run_dir:
+        d_manifest = train_app(TrainAppConfig(
+            train=d_train, target=TargetDir(str(out / "code-target")),
+            data=DataConfig(corpus="stdlib", max_files=80 if args.quick else None),
+            eval=EvalConfig(prompts=8, new_tokens=32, loss_windows=8), logger=LoggerConfig(name="none"),
+            seed=args.seed + 1, out_dir=str(out / "code-draft"), checkpoint_every=0, threads=args.threads,
+        ), run_dir)
+    draft = load_decoder(out / "code-draft", dtype=torch.float32).module
     d_loss = lm.eval_loss(draft, windows)
-    print(f"draft: held-out loss {d_loss_fp32:.4f} (fp32) {d_loss:.4f} (bf16) in {d_stats.wall_time_s:.0f}s", flush=True)
-    save_hf(draft, tok, out / "code-draft")
+    d_stats = {"steps": d_manifest["steps"], "wall_time_s": d_manifest["wall_time_s"],
+               "losses": {k: v for k, v in d_manifest["losses"].items() if k != "eval"}}
+    print(f"draft: held-out loss {d_loss:.4f} (bf16) in {d_manifest['wall_time_s']:.0f}s", flush=True)
 
     # --- reload check, agreement, tau -----------------------------------------------
     reloaded = {}
@@ -178,10 +187,11 @@ def main(argv: list[str] | None = None) -> int:
                             "stats": t_stats.to_dict(), "heldout_loss": round(t_loss, 4),
                             "heldout_loss_fp32_before_bf16": round(t_loss_fp32, 4)},
             "code-draft": {"spec": asdict(DRAFT), "params": lm.count_params(draft), "train": asdict(d_train),
+                           "trained_by": "specdec.train.app (recipe draft_model); its own manifest: "
+                                         "code-draft/manifest.json",
                            "init": f"copy of the trained target's embedding, final norm and layers {draft_init_layers}",
                            "objective": "KL(target || draft) on the target's full distribution at every position",
-                           "stats": d_stats.to_dict(), "heldout_loss": round(d_loss, 4),
-                           "heldout_loss_fp32_before_bf16": round(d_loss_fp32, 4)},
+                           "stats": d_stats, "heldout_loss": round(d_loss, 4)},
         },
         "evaluation": {
             "heldout_windows": f"{windows.shape[0]} consecutive windows of {args.seq_len} tokens "
@@ -193,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             "forward_dense_latency_batch1": lat,
         },
         "wall_time_s": {"tokenizer": round(t_tok, 1), "target": t_stats.wall_time_s,
-                        "draft": d_stats.wall_time_s, "total": round(wall, 1)},
+                        "draft": d_stats["wall_time_s"], "total": round(wall, 1)},
         "files": {p.relative_to(out).as_posix(): {"sha256": sha256(p), "bytes": p.stat().st_size} for p in shipped},
     }
     (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
