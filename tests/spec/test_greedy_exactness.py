@@ -122,7 +122,11 @@ def _medusa_case(tiny_llama, generate, greedy_margin, data) -> None:
     target = _target(tiny_llama, data.draw(st.sampled_from(["full", "loopy"]), label="target"))
     kind = data.draw(st.sampled_from(["medusa", "medusa-shared", "medusa-echo"]), label="heads")
     ps, sps, gamma, block = data.draw(workloads(), label="workload")
-    method = MedusaConfig(path=str(medusa_for(target, kind)), num_speculative_tokens=gamma)
+    # A chain, or a static Medusa-choices tree (depth <= 4) cut to γ nodes.
+    tree = data.draw(st.sampled_from([None, [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1],
+                                             [0, 0, 0, 0]]]), label="tree")
+    method = MedusaConfig(path=str(medusa_for(target, kind)), num_speculative_tokens=gamma,
+                          **({"tree": {"kind": "static", "choices": tree}} if tree else {}))
     _check_exact(generate, greedy_margin, target, method, ps, sps, block)
 
 

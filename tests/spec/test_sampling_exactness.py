@@ -32,9 +32,11 @@ from specdec.spec import pipeline as spec_pipeline
 from specdec.spec import verify as spec_verify
 from specdec.spec.proposers.draft_model import DraftModelConfig
 from specdec.spec.proposers.eagle import Eagle3Config, EagleConfig
+from specdec.spec.proposers.medusa import MedusaConfig
 from specdec.spec.proposers.ngram import NgramConfig
 
 from eagle_heads import head_for  # tests/spec/eagle_heads.py
+from medusa_heads import medusa_for  # tests/spec/medusa_heads.py
 from echo_drafter import EchoConfig  # tests/spec/echo_drafter.py
 
 V = 8
@@ -128,6 +130,11 @@ def _method(models, name: str, gamma: int = GAMMA) -> Any:
     if name.startswith("eagle") and not name.startswith("eagle3"):  # EAGLE-1 heads (sampled drafts):
         # random, or echo (its q is the target's own p one position back)
         return EagleConfig(path=str(head_for(models["target"], name)), num_speculative_tokens=gamma)
+    if name == "medusa-tree":  # random heads, a static Medusa-choices tree of deterministic top-k drafts
+        return MedusaConfig(path=str(medusa_for(models["target"], "medusa")), num_speculative_tokens=gamma,
+                            tree={"kind": "static", "choices": [[0], [1], [0, 0]]})
+    if name.startswith("medusa"):  # Medusa heads (sampled drafts): random own lm heads, or echo (q = p one back)
+        return MedusaConfig(path=str(medusa_for(models["target"], name)), num_speculative_tokens=gamma)
     if name == "eagle3":  # a random EAGLE-3 head, draft vocabulary 6 of the 8 tokens
         return Eagle3Config(path=str(head_for(models["target"], "eagle3-small-vocab")), num_speculative_tokens=gamma)
     return DraftModelConfig(path=str(models[name].path), num_speculative_tokens=gamma)
@@ -146,6 +153,9 @@ CASES = [
     pytest.param("eagle", dict(temperature=1.0), 80_000, (0.05, 0.9), id="eagle"),
     pytest.param("eagle-echo", TOPK_TOPP, 85_000, (0.05, 0.95), id="eagle-echo-topk-topp"),
     pytest.param("eagle3", TOPK_TOPP, 90_000, (0.05, 0.9), id="eagle3-topk-topp"),
+    pytest.param("medusa", dict(temperature=1.0), 95_000, (0.05, 0.9), id="medusa"),
+    pytest.param("medusa-echo", TOPK_TOPP, 97_000, (0.05, 0.95), id="medusa-echo-topk-topp"),
+    pytest.param("medusa-tree", dict(temperature=1.0), 98_000, (0.05, 0.95), id="medusa-static-tree"),
 ]
 
 

@@ -1,0 +1,180 @@
+"""Medusa drafting: K heads over the target's last hidden state, after verification.
+
+Each step, inside the draft-and-verify module and after the target verified,
+the target's final-norm hidden state ``h`` at each request's bonus row (the
+row whose logits gave the bonus token) goes through the heads: head ``i``
+gives the distribution of the token ``i + 2`` ahead of that row, i.e. of
+draft ``i`` of the next step (the bonus token itself is the target's). The
+next step's chain is each head's top-1 (greedy) or a draw from each head's
+softmax under the request's temperature / top-k / top-p (sampled; the
+distribution ``q`` is kept beside the drafts, so the usual lossless
+verification applies). No KV cache and no catch-up: only the bonus row's
+hidden state is read. γ is at most K (``max_speculative_tokens``).
+
+Medusa's own sampling rule, *typical acceptance*, is not distribution-
+preserving and is not offered: sampled Medusa runs here are exact.
+
+A static tree (``tree.kind=static``, ``tree.choices``: Medusa-choices rank
+paths, e.g. ``[[0], [1], [0, 0]]``; γ is then the node budget) gives node
+``i`` the ``ranks[i]``-th top token of head ``depth[i] - 1``
+(``MedusaDrafter.tree_tokens``: Medusa's candidates); tree drafts are
+deterministic top-k (verified with q a point mass), at most K deep.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.models.medusa import MedusaHeads, load_medusa
+from specdec.sampling import LANE_DRAFT, SamplingTensors, greedy_tokens, probs_from_logits, sample_from
+from specdec.spec.proposers.base import (
+    Drafter,
+    DraftTree,
+    Proposer,
+    ProposerConfig,
+    ProposerDeps,
+    TargetStep,
+    register_proposer,
+)
+from specdec.spec.tree import TreeConfig
+
+
+@dataclass(frozen=True)
+class MedusaConfig(ProposerConfig):
+    path: str = ""  # the heads' checkpoint directory (either published Medusa layout)
+    # Draft shape: a chain of γ = min(K, num_speculative_tokens) top-1s (default), or a static
+    # tree (kind=static, Medusa-choices paths, at most K deep) whose node budget is γ: TreeConfig.
+    tree: TreeConfig = field(default_factory=TreeConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tree, dict):  # LLM(method={"name": "medusa", "tree": {...}})
+            object.__setattr__(self, "tree", TreeConfig(**self.tree))
+        if self.tree.kind == "dynamic":
+            raise ValueError("method.medusa.tree.kind=dynamic: Medusa heads draft one distribution per depth, "
+                             "not per node; use kind=static (Medusa choices) or chain")
+        if self.tree.is_tree:  # γ counts the tree's nodes (rows verified per request)
+            object.__setattr__(self, "num_speculative_tokens", self.tree.budget(self.num_speculative_tokens))
+        super().__post_init__()
+        if not self.path:
+            raise ValueError("path (the Medusa heads' checkpoint directory) is required")
+
+
+class MedusaDrafter(Drafter):
+    """Device half: the heads as a submodule (the target's lm_head borrowed when shared)."""
+
+    def __init__(self, heads: MedusaHeads) -> None:
+        super().__init__()
+        self.heads = heads
+        self.choices: tuple[tuple[int, ...], ...] | None = None  # a static tree (Medusa choices)
+        self._static: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]] = {}
+
+    def draft_after(self, step: TargetStep, gamma: int, sampling: SamplingTensors) -> DraftTree:
+        b = step.num_accepted.shape[0]
+        rows = torch.arange(b, device=step.hidden.device)
+        h = step.hidden[rows, step.num_accepted]  # [B, H] the bonus row's final-norm hidden state
+        if self.choices is not None:
+            return self.tree_tokens(h, gamma)
+        logits = self.heads(h, gamma)  # [B, γ, V], γ <= K
+        if sampling.all_greedy:
+            return DraftTree.chain(greedy_tokens(logits))
+        p = probs_from_logits(logits, sampling)  # [B, γ, V] (greedy rows: one-hot)
+        # Draft j takes sequence position (bonus row's) + 2 + j.
+        pos = (step.first_position + step.num_accepted).unsqueeze(1) + 2 + torch.arange(gamma, device=h.device)
+        return DraftTree.chain(sample_from(p, sampling.seeds.unsqueeze(1), pos, LANE_DRAFT), p)
+
+    def static_shape(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+        """The static tree cut to its first ``n`` nodes: parents, ranks, depths [n], max depth, max children."""
+        if n not in self._static:
+            from specdec.spec.tree import static_tree
+
+            assert self.choices is not None
+            t = static_tree(self.choices)
+            dev = self.heads.block(0).linear.weight.device
+            par, ranks, dep = t.parents[:n], t.ranks[:n], t.depths[:n]
+            kids = torch.bincount(par + 1, minlength=n + 1)
+            self._static[n] = (par.to(dev), ranks.to(dev), dep.to(dev), int(dep.max()), int(kids.max()))
+        return self._static[n]
+
+    def tree_tokens(self, h: torch.Tensor, n: int) -> DraftTree:
+        """The static tree (first ``n`` nodes): node ``i`` = the ``ranks[i]``-th top token of
+        head ``depth[i] - 1`` (Medusa's candidates: one distribution per depth)."""
+        par, ranks, dep, max_depth, max_kids = self.static_shape(n)
+        k = int(ranks.max()) + 1
+        topk = self.heads(h, max_depth).topk(k, dim=-1).indices  # [B, D, k]
+        b = h.shape[0]
+        return DraftTree(tokens=topk[:, dep - 1, ranks], parents=par.expand(b, n), is_chain=False,
+                         num_nodes=torch.full((b,), n, dtype=torch.long, device=h.device),
+                         max_depth=max_depth, max_children=max_kids)
+
+
+@register_proposer("medusa", MedusaConfig)
+class MedusaProposer(Proposer):
+    """Host half: loads the heads; nothing per request (no KV cache, no state beyond the drafts)."""
+
+    drafts_after_verify = True
+    samples_drafts = True
+
+    def __init__(self, config: MedusaConfig, deps: ProposerDeps) -> None:
+        self.config = config
+        target, rt = deps.target, deps.runtime
+        built = target.build_module()  # the target module the step calls: borrow its lm_head
+        # The heads compute in the target's dtype (they read its hidden states, may share its lm_head).
+        dtype = getattr(torch, rt.dtype) if rt.dtype else built.lm_head.weight.dtype
+        heads = load_medusa(config.path, target=target.config, dtype=dtype, device=rt.device)
+        heads.attach_target(built.lm_head)
+        self.heads = heads
+        self.drafter = MedusaDrafter(heads)
+        tree = config.tree if config.tree.is_tree else None
+        if tree is None:
+            self.max_speculative_tokens = heads.num_heads  # head i drafts the token i + 2 ahead: at most K
+        else:  # top-k trees: deterministic drafts (no q), their shapes kept in the store
+            self.drafts_trees = True
+            self.samples_drafts = False  # type: ignore[misc]
+            self.drafter.choices = tuple(tuple(c) for c in tree.choices)
+            g = config.num_speculative_tokens
+            if g:
+                _, _, _, depth, kids = self.drafter.static_shape(g)
+                if depth > heads.num_heads:
+                    raise ValueError(f"method.medusa.tree: its first {g} nodes reach depth {depth}; the heads at "
+                                     f"{config.path!r} draft at most {heads.num_heads} levels (K heads)")
+                self.tree_facts = (depth, kids)
+
+    @property
+    def num_heads(self) -> int:
+        return self.heads.num_heads
+
+    @torch.inference_mode()
+    def _heads_time(self, batch_size: int, repeats: int) -> float:
+        """Median seconds of one pass of the heads a step runs (a chain's γ, a tree's depth)."""
+        w = self.heads.block(0).linear.weight
+        h = torch.zeros(batch_size, self.heads.config.hidden_size, dtype=w.dtype, device=w.device)
+        g = self.tree_facts[0] if self.drafts_trees and self.tree_facts[0] else self.gamma  # heads run
+        for _ in range(2):
+            self.heads(h, g)
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            self.heads(h, g)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    @property
+    def gamma(self) -> int:
+        """Drafts per step: γ = min(K, num_speculative_tokens) for a chain, the node budget for a tree."""
+        g = self.config.num_speculative_tokens
+        return max(1, g if self.drafts_trees else min(g, self.heads.num_heads))
+
+    def draft_forward_time(self, ctx_len: int, repeats: int = 10) -> float:
+        """T_draft(1) of the analytic limit, which charges it once per draft token: one pass of
+        the γ heads (all drafts of a step at once, no context read) divided by γ."""
+        return self._heads_time(1, repeats) / self.gamma
+
+    def draft_cost(self, batch_size: int, context_len: int) -> float:
+        """Per draft token, as adaptive γ charges it (γ · T_draft(B)): one pass of the heads / γ."""
+        return self._heads_time(max(batch_size, 1), 7) / self.gamma
+
+__all__ = ["MedusaConfig", "MedusaDrafter", "MedusaProposer"]

@@ -1,0 +1,82 @@
+"""``python -m specdec.train train=medusa`` on the tiny target and corpus of test_train_app.py:
+resumes to the uninterrupted result, the output loads in the shared-lm-head and own-lm-head
+layouts, the loss falls, and the simulated τ counts the steps the real pipeline takes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_train_app import compose, overrides, run, tiny, weights  # noqa: F401  (tiny: the module fixture)
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["shared-lm-head", "own-lm-head"])
+def test_medusa_recipe_resumes_and_loads(tiny: dict[str, Path], tmp_path: Path, own: bool) -> None:  # noqa: F811
+    from specdec.train.app import Stopped
+    from specdec.models.medusa import load_medusa
+
+    extra = ["train.medusa_num_heads=3", "train.medusa_num_layers=2", f"train.medusa_own_lm_head={str(own).lower()}"]
+    whole = run(overrides(tiny, "medusa", tmp_path / "whole", *extra))
+    part_dir = tmp_path / "part"
+    with pytest.raises(Stopped):
+        run(overrides(tiny, "medusa", part_dir, "stop_after=3", *extra))
+    resumed = run(overrides(tiny, "medusa", part_dir, "resume=true", *extra))
+    a, b = weights(tmp_path / "whole" / "out"), weights(part_dir / "out")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert whole["losses"]["eval"] == resumed["losses"]["eval"]
+    # published keys: one shared block per head (stored once), and an lm head per head only when own
+    lm = {f"medusa_head.{i}.2.weight" for i in range(3)}
+    assert {f"medusa_head.{i}.0.linear.weight" for i in range(3)} <= a.keys()
+    assert (lm <= a.keys()) if own else not (lm & a.keys())
+    out = part_dir / "out"
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["version"] == ("1" if own else "2") and cfg["medusa_num_heads"] == 3
+    heads = load_medusa(out)
+    assert heads.config.shared_lm_head != own and heads.config.hidden_size == 32
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["recipe"] == "medusa" and 1.0 <= m["heldout"]["shipped"]["tau"] <= 4.0
+
+
+def test_medusa_loss_falls_and_the_simulation_counts_the_pipelines_steps(tiny: dict[str, Path],  # noqa: F811
+                                                                         tmp_path: Path) -> None:
+    from specdec.api import LLM
+    from specdec.core.checkpoint import load_decoder
+    from specdec.core.context import SamplingParams
+    from specdec.models.llama import DenseCausalAttend
+    from specdec.models.medusa import load_medusa
+    from specdec.spec.proposers.medusa import MedusaConfig
+    from specdec.train.app import train
+    from specdec.train.config import to_train_config
+    from specdec.train.data import chain_tau
+
+    args = overrides(tiny, "medusa", tmp_path / "r", "train.steps=30", "eval.every=0", "checkpoint_every=0",
+                     "train.lr=1e-2")
+    cfg = to_train_config(compose(args))
+    m = train(cfg, cfg.run_dir)
+    losses = [r[1] for r in m["losses"]["curve"]]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+    # The pipeline with the trained heads takes as many steps as the simulation says (+ the prefill).
+    out = tmp_path / "r" / "out"
+    g = 4
+    prompt = torch.randint(3, 250, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    sp = SamplingParams(max_new_tokens=24)
+    plain = LLM(str(tiny["target"]), None, max_seq_len=64).generate([prompt], sp)[0].token_ids
+    llm = LLM(str(tiny["target"]), MedusaConfig(path=str(out), num_speculative_tokens=g), max_seq_len=64)
+    assert llm.generate([prompt], sp)[0].token_ids == plain
+    target = load_decoder(tiny["target"]).module
+    heads = load_medusa(out, target=target.config)
+    heads.attach_target(target.lm_head)
+    seq = torch.tensor(prompt + plain)
+    s = seq.numel()
+    with torch.no_grad():
+        cos, sin = target._rope(torch.arange(s), s - 1)
+        h, _ = target._layers(target.model.embed_tokens(seq), cos, sin, DenseCausalAttend(1, s, None), ())
+        pred = heads(h, g).argmax(-1)  # [s, g]
+    ok = torch.zeros(s - 1, g, dtype=torch.bool)
+    for j in range(g):
+        ok[: s - 2 - j, j] = pred[: s - 2 - j, j] == seq[j + 2 :]
+    sim = chain_tau(ok, len(prompt), g)
+    assert llm.pipeline.stats().counts.steps == sim["steps"] + 1
