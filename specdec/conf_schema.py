@@ -257,14 +257,30 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
 
 
 def build_components(rc: RunConfig) -> Components:
+    methods = method_configs(rc.method)
+    _check_zoo_heads(str(rc.target.path), methods)
     return Components(
         target=str(rc.target.path),
-        methods=method_configs(rc.method),
+        methods=methods,
         sampling=replace(rc.sampling, stop_token_ids=tuple(rc.sampling.stop_token_ids)),
         runtime=rc.runtime,
         engine=rc.engine,
         data=rc.data,
     )
+
+
+def _check_zoo_heads(target: str, methods: dict[str, ProposerConfig]) -> None:
+    """A shipped head (``specdec/zoo/code-eagle`` …) fits only the shipped target:
+    with another target, say so before anything loads, and how to go on."""
+    if Path(target).resolve() == (ZOO_DIR / "code-target").resolve():
+        return
+    for name, cfg in methods.items():
+        path = getattr(cfg, "path", None)
+        if name != "draft_model" and path and Path(path).resolve().parent == ZOO_DIR.resolve():
+            raise ConfigError(
+                f"method.{name}.path is {path}, the head shipped for the built-in target, but target.path is "
+                f"{target}: set method.{name}.path to a head trained for your target (python -m specdec.train), "
+                f"or leave the shipped heads out: method=[draft_model,ngram]")
 
 
 def to_plain_dict(rc: RunConfig) -> dict[str, Any]:

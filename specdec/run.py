@@ -3,7 +3,7 @@
 Composes ``conf/run.yaml`` (see :func:`specdec.conf_schema.config_dir` for
 where it is found) and calls :func:`specdec.experiment.run_experiment`::
 
-    specdec                                            # built-in pair: plain vs draft_model vs ngram
+    specdec                                            # built-in target: plain vs every shipped method
     specdec experiment=quick                           # 4 prompts, 16 new tokens
     specdec method=ngram sampling=sample batch_size=4
     specdec target.path=/ckpt/target method=draft_model method.draft_model.path=/ckpt/draft

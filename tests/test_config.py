@@ -51,15 +51,31 @@ def test_conf_dir_is_the_repo_conf():
     assert all((CONF / g).is_dir() for g in GROUPS)
 
 
-def test_default_run_compares_both_methods_on_the_builtin_pair():
+def test_shipped_heads_with_another_target_fail_at_start_saying_what_to_do(tmp_path):
+    # The default method list has heads trained for the built-in target only:
+    # with another target the run stops before loading anything, naming the key.
+    from specdec.conf_schema import ConfigError
+
+    rc = to_run_config(_compose([f"target.path={tmp_path}"]))
+    with pytest.raises(ConfigError, match=r"method\.eagle\.path .*code-eagle.*method=\[draft_model,ngram\]"):
+        build_components(rc)
+    rc = to_run_config(_compose([f"target.path={tmp_path}", "method=[draft_model,ngram]"]))
+    assert list(build_components(rc).methods) == ["draft_model", "ngram"]
+
+
+def test_default_run_compares_every_shipped_method_on_the_builtin_pair():
     rc = to_run_config(_compose())
     assert isinstance(rc, RunConfig)
     comps = build_components(rc)
     assert Path(comps.target) == ZOO_DIR / "code-target"
-    assert list(comps.methods) == ["draft_model", "ngram"]
+    assert list(comps.methods) == ["draft_model", "ngram", "eagle", "eagle3", "medusa"]
     dm, ng = comps.methods["draft_model"], comps.methods["ngram"]
     assert isinstance(dm, DraftModelConfig) and Path(dm.path) == ZOO_DIR / "code-draft"
     assert isinstance(ng, NgramConfig) and dm.num_speculative_tokens == ng.num_speculative_tokens == 4
+    for name in ("eagle", "eagle3", "medusa"):  # the shipped heads, at the same γ
+        m = comps.methods[name]
+        assert Path(m.path) == ZOO_DIR / f"code-{name}" and (Path(m.path) / "model.safetensors").is_file()
+        assert m.num_speculative_tokens == 4
     assert comps.sampling.greedy and comps.engine.max_batch_size == 1 == comps.runtime.max_batch_size
     assert Path(comps.data.path) == ZOO_DIR / "prompts.jsonl"
     assert rc.logger.name == "wandb" and rc.logger.mode == "offline"

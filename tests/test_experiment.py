@@ -90,6 +90,8 @@ def _overrides(tiny_pair: tuple[Path, Path, Path], run_dir: Path, *extra: str) -
         f"run_dir={run_dir}",
         "progress=false",
         "runtime.threads=1",
+        # the tiny pair's methods (the default list also has heads shipped for the built-in target only)
+        *([] if any(e.startswith("method=") for e in extra) else ["method=[draft_model,ngram]"]),
         *extra,
     ]
 

@@ -75,7 +75,8 @@ def test_piped_run_prints_progress_before_the_table(tiny_pair, tmp_path):  # noq
     env.pop("PYTHONUNBUFFERED", None)  # piped stdout is block-buffered, as `make run | cat` without make's env
     cmd = [sys.executable, "-m", "specdec.run", "experiment=quick", f"target.path={target}", f"draft.path={draft}",
            "data=jsonl", f"data.path={prompts}", "sampling.max_new_tokens=8", "method.num_speculative_tokens=3",
-           "runtime.max_seq_len=128", "runtime.threads=1", "plots=false", f"run_dir={tmp_path / 'run'}"]
+           "runtime.max_seq_len=128", "runtime.threads=1", "plots=false", f"run_dir={tmp_path / 'run'}",
+           "method=[draft_model,ngram]"]
     out = subprocess.run(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stdout[-3000:]
