@@ -126,8 +126,10 @@ class EagleHeadConfig:
     def from_target(cls, kind: str, target: LlamaConfig, *, draft_vocab_size: int | None = None,
                     aux_layers: tuple[int, ...] | None = None, fc_bias: bool = True) -> EagleHeadConfig:
         """A head for ``target``: its layer has the target's shapes."""
+        # A plain Llama layer whatever the target's family (the published heads have no biases or q/k norms).
         layer = replace(target, num_hidden_layers=1, architecture=EAGLE3_ARCH if kind == "eagle3" else
-                        "LlamaForCausalLM", tie_word_embeddings=False)
+                        "LlamaForCausalLM", tie_word_embeddings=False, attention_bias=False, o_proj_bias=False,
+                        mlp_bias=False, qk_norm=False)
         return cls(kind=kind, layer=layer, fc_bias=fc_bias, target_hidden_size=target.hidden_size,
                    draft_vocab_size=(draft_vocab_size or target.vocab_size) if kind == "eagle3" else 0,
                    aux_layers=tuple(aux_layers) if aux_layers is not None else None)
@@ -138,6 +140,8 @@ class EagleHeadConfig:
 
         d = hf_config_dict(self.layer)
         d["tie_word_embeddings"] = False
+        d["attention_bias"] = self.layer.attention_bias  # (a Qwen2 target's head has q/k/v biases)
+        d["mlp_bias"] = self.layer.mlp_bias
         if self.kind == "eagle":
             d["architectures"] = ["LlamaForCausalLM"]
             d["bias"] = self.fc_bias

@@ -38,10 +38,17 @@ def _reference(target: Path, method: object) -> list[list[int]]:
 
 
 def test_tensor_parallel_greedy_is_token_identical(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    from specdec.measure import random_head
+
     draft = {"name": "draft_model", "path": str(ckpts["draft"]), "num_speculative_tokens": 3}
+    # EAGLE heads are replicated on every rank; they read the target's (all-reduced) hidden
+    # states and its vocabulary-parallel embedding / lm_head, which return whole rows.
+    heads = {k: {"name": k, "path": str(random_head(ckpts["qwen2"], k, seed=4)), "num_speculative_tokens": 3}
+             for k in ("eagle", "eagle3")}
     cases = [
         {"target": str(ckpts["qwen2"]), "methods": {"plain": None, "draft_model": draft,
-                                                     "ngram": {"name": "ngram", "num_speculative_tokens": 2}}},
+                                                     "ngram": {"name": "ngram", "num_speculative_tokens": 2},
+                                                     **heads}},
         {"target": str(ckpts["qwen3"]), "methods": {"plain": None}},
     ]
     ranks = run_worker(tmp_path, "tp", {"cases": cases, "prompts": PROMPTS, "max_new_tokens": NEW,
