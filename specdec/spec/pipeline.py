@@ -541,6 +541,11 @@ class SpecDecodePipelineModel:
             tt = CostCurve(lambda n: forward_time(self.target, n, max(ctx, n), repeats=7, stat="min"), pts)
             bpts = [b for b in pts if b <= rt.max_batch_size]
             td = CostCurve(lambda b: self.proposer.draft_cost(b, ctx), bpts)
+            # Under torchrun every rank must pick the same γ (tensor-parallel ranks run
+            # each step's forwards together): all take rank 0's measured curves.
+            from specdec.dist.group import current
+
+            tt.times, td.times = current().broadcast_object((tt.times, td.times))
             self._curves = (tt, td)
         return self._curves
 

@@ -48,6 +48,9 @@ def test_tensor_parallel_greedy_is_token_identical(ckpts: dict[str, Path], tmp_p
     cases = [
         {"target": str(ckpts["qwen2"]), "methods": {"plain": None, "draft_model": draft,
                                                      "ngram": {"name": "ngram", "num_speculative_tokens": 2},
+                                                     # adaptive γ: exact under TP (the ranks share rank 0's
+                                                     # timings, so they agree on γ; not provoked here)
+                                                     "adaptive": {**draft, "adaptive_gamma": True},
                                                      **heads}},
         {"target": str(ckpts["qwen3"]), "methods": {"plain": None}},
     ]
