@@ -68,7 +68,7 @@ from typing import List, NamedTuple, Optional  # noqa: UP035 (OmegaConf reads ty
 
 import torch
 
-from specdec.core.inputs import KVCacheTensors
+from specdec.core.inputs import DecoderInputs, KVCacheTensors, MaskKind
 from specdec.sampling import LANE_ACCEPT, LANE_RESIDUAL, LANE_TARGET, greedy_tokens, sample_from, uniform
 
 __all__ = [
@@ -685,3 +685,42 @@ def compact_kv(cache: KVCacheTensors, src_slots: torch.Tensor, dst_slots: torch.
     """
     for t in (cache.k, cache.v):  # [layers, slots, Hkv, D]
         t.index_copy_(1, dst_slots, t.index_select(1, src_slots))
+
+
+def node_rows(tokens: torch.Tensor, own: torch.Tensor, anc: torch.Tensor, lens: torch.Tensor,
+              gather_slots: torch.Tensor, max_ctx: int, kv_cache: KVCacheTensors, *,
+              exact_context: bool) -> DecoderInputs:
+    """A drafter's inputs for ``M`` tree nodes per request, all at depth ``A + 1``,
+    each fed as a one-token request whose keys are exactly what it may see: its
+    request's context (``gather_slots[b, :lens[b]]``), its ``A`` ancestors' slots
+    ``anc[b, m]`` (root side first), then its own slot ``own[b, m]`` (written by
+    this forward). So its key index is its position, ``lens[b] + A``, and no tree
+    mask is needed. ``max_ctx`` >= every ``lens[b]`` (host); ``exact_context``:
+    one request's context is exactly ``max_ctx`` keys (no mask needed then).
+
+    Shapes: tokens / own [B, M], anc [B, M, A], lens [B] -> rows ``b·M + m``.
+    """
+    b, m = tokens.shape
+    a = anc.shape[2]
+    dev = tokens.device
+    s = max_ctx + a + 1
+    j = torch.arange(s, device=dev)
+    rel = j - lens.unsqueeze(1)  # [B, S] < 0: context, [0, A): an ancestor, A: the node itself
+    ctx = gather_slots.gather(1, j.clamp(max=gather_slots.shape[1] - 1).expand(b, s))  # [B, S]
+    own3 = own.unsqueeze(2)  # [B, M, 1]
+    if a:
+        anc_part = anc.gather(2, rel.clamp(0, a - 1).unsqueeze(1).expand(b, m, s))
+        tail = torch.where((rel < a).unsqueeze(1), anc_part, own3)
+    else:
+        tail = own3.expand(b, m, s)
+    slots = torch.where((rel < 0).unsqueeze(1), ctx.unsqueeze(1), tail)  # [B, M, S] (past the node: masked)
+    pos = (lens + a).unsqueeze(1).expand(b, m).reshape(-1)  # [B·M]
+    bm = b * m
+    ar = torch.arange(bm, device=dev)
+    return DecoderInputs(
+        tokens=tokens.reshape(-1), positions=pos, slot_mapping=own.reshape(-1),
+        gather_slots=slots.reshape(bm, s).contiguous(), q_index=ar.unsqueeze(1), q_pos=pos.unsqueeze(1),
+        out_index=ar, logit_index=ar.clone(),  # (distinct tensors: a compiled module guards on aliasing)
+        kv_cache=kv_cache, single_request=bm == 1,
+        mask=MaskKind.NONE if bm == 1 and exact_context else MaskKind.EXPLICIT,
+    )

@@ -45,7 +45,7 @@ from specdec.core.kv_cache import block_table_array
 from specdec.core.pipeline_model import DecoderPipelineModel, registered_pipeline_model
 from specdec.sampling import LANE_DRAFT, SamplingTensors, greedy_tokens, probs_from_logits, sample_from
 from specdec.spec.forward_time import forward_time
-from specdec.spec.tree import TreeConfig, dynamic_tree_select, expand_topk, static_tree, static_tree_tokens
+from specdec.spec.tree import TreeConfig, dynamic_tree_select, expand_topk, node_rows, static_tree, static_tree_tokens
 from specdec.spec.proposers.base import (
     DraftBatch,
     Drafter,
@@ -162,38 +162,11 @@ class DraftModelDrafter(Drafter):
         ``own[b, m]`` and sees its request's context then its ``A`` ancestors'
         slots ``anc[b, m]`` (root to parent). It is fed as a one-token request
         whose keys are exactly those: its key index is its position."""
-        assert batch.catch_up is not None
+        assert batch.catch_up is not None and batch.catch_up.kv_cache is not None
         b, m = tokens.shape
-        a = anc.shape[2]
-        dev = tokens.device
-        lens = batch.first_position  # [B] context length (the root is its last key)
-        s = batch.max_len + a + 1
-        j = torch.arange(s, device=dev)
-        rel = j - lens.unsqueeze(1)  # [B, S] < 0: context, [0, A): an ancestor, A: the node itself
-        ctx = batch.gather_slots.gather(1, j.clamp(max=batch.max_len - 1).expand(b, s))  # [B, S]
-        own3 = own.unsqueeze(2)  # [B, M, 1]
-        if a:
-            anc_part = anc.gather(2, rel.clamp(0, a - 1).unsqueeze(1).expand(b, m, s))
-            tail = torch.where((rel < a).unsqueeze(1), anc_part, own3)
-        else:
-            tail = own3.expand(b, m, s)
-        slots = torch.where((rel < 0).unsqueeze(1), ctx.unsqueeze(1), tail)  # [B, M, S] (past the node: masked)
-        pos = (lens + a).unsqueeze(1).expand(b, m).reshape(-1)  # [B·M]
-        bm = b * m
-        ar = torch.arange(bm, device=dev)
-        step = DecoderInputs(
-            tokens=tokens.reshape(-1),
-            positions=pos,
-            slot_mapping=own.reshape(-1),
-            gather_slots=slots.reshape(bm, s).contiguous(),
-            q_index=ar.unsqueeze(1),
-            q_pos=pos.unsqueeze(1),
-            out_index=ar,
-            logit_index=ar.clone(),  # (distinct tensors: a compiled decoder guards on aliasing)
-            kv_cache=batch.catch_up.kv_cache,
-            single_request=bm == 1,
-            mask=MaskKind.NONE if bm == 1 else MaskKind.EXPLICIT,
-        )
+        # The root is each request's last key: its context is first_position keys.
+        step = node_rows(tokens, own, anc, batch.first_position, batch.gather_slots, batch.max_len,
+                         batch.catch_up.kv_cache, exact_context=True)
         return self.decoder(step).logits.view(b, m, -1)
 
     def _dynamic_tree(self, batch: DraftModelBatch, logits: torch.Tensor) -> DraftTree:

@@ -62,6 +62,7 @@ from specdec.spec.tree import (
     compact_kv,
     dynamic_tree_select,
     expand_topk,
+    node_rows,
     static_tree,
     static_tree_tokens,
 )
@@ -194,31 +195,9 @@ class EagleDrafter(Drafter):
         ``0 … pos0[b]``), its ``A`` ancestors' slots ``anc[b, m]`` (root side
         first), then its own: key index == position."""
         b, m = tokens.shape
-        a = anc.shape[2]
-        dev = tokens.device
-        lens = pos0 + 1  # [B] committed head keys
-        s = host.max_ctx + a + 1
-        j = torch.arange(s, device=dev)
-        rel = j - lens.unsqueeze(1)  # [B, S] < 0: context, [0, A): an ancestor, A: the node itself
-        width = host.gather_slots.shape[1]
-        ctx = host.gather_slots.gather(1, j.clamp(max=width - 1).expand(b, s))  # [B, S]
-        own3 = own.unsqueeze(2)  # [B, M, 1]
-        if a:
-            anc_part = anc.gather(2, rel.clamp(0, a - 1).unsqueeze(1).expand(b, m, s))
-            tail = torch.where((rel < a).unsqueeze(1), anc_part, own3)
-        else:
-            tail = own3.expand(b, m, s)
-        slots = torch.where((rel < 0).unsqueeze(1), ctx.unsqueeze(1), tail)  # [B, M, S] (past the node: masked)
-        pos = (lens + a).unsqueeze(1).expand(b, m).reshape(-1)  # [B·M]
+        # Committed head keys: positions 0 … pos0 (a request's may end before max_ctx: always masked).
+        one = node_rows(tokens, own, anc, pos0 + 1, host.gather_slots, host.max_ctx, host.kv, exact_context=False)
         bm = b * m
-        ar = torch.arange(bm, device=dev)
-        one = DecoderInputs(
-            tokens=tokens.reshape(-1), positions=pos, slot_mapping=own.reshape(-1),
-            gather_slots=slots.reshape(bm, s).contiguous(), q_index=ar.unsqueeze(1), q_pos=pos.unsqueeze(1),
-            out_index=ar, logit_index=ar.clone(),  # (distinct tensors: a compiled head guards on aliasing)
-            kv_cache=host.kv, single_request=bm == 1,
-            mask=MaskKind.EXPLICIT,  # (a request's context may end before max_ctx: always masked)
-        )
         h, logits = self.head(one, feature.reshape(bm, -1))
         return h.view(b, m, -1), logits.view(b, m, -1)
 
