@@ -64,7 +64,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import List, NamedTuple, Optional  # noqa: UP035 (OmegaConf reads typing generics)
+from typing import Any, List, NamedTuple, Optional  # noqa: UP035 (OmegaConf reads typing generics)
 
 import torch
 
@@ -724,3 +724,38 @@ def node_rows(tokens: torch.Tensor, own: torch.Tensor, anc: torch.Tensor, lens: 
         kv_cache=kv_cache, single_request=bm == 1,
         mask=MaskKind.NONE if bm == 1 and exact_context else MaskKind.EXPLICIT,
     )
+
+
+def static_tree_shape(choices: Any, n: int, device: torch.device | str = "cpu") -> tuple[Any, ...]:
+    """A static tree cut to its first ``n`` nodes: (parents [n], ranks [n], levels
+    [(lo, hi)] per depth, ancestors [n, D - 1] root side first, top-k needed,
+    max depth, max children)."""
+    st = static_tree(choices)
+    par, ranks, dep = st.parents[:n], st.ranks[:n], st.depths[:n].tolist()
+    levels = []
+    for d in range(1, max(dep) + 1):
+        idx = [i for i, x in enumerate(dep) if x == d]
+        levels.append((idx[0], idx[-1] + 1))
+    anc = torch.zeros(n, max(max(dep) - 1, 0), dtype=torch.long)
+    for i in range(n):
+        chain, p = [], int(par[i])
+        while p >= 0:
+            chain.append(p)
+            p = int(par[p])
+        anc[i, : len(chain)] = torch.tensor(chain[::-1], dtype=torch.long)
+    kids = torch.bincount(par + 1, minlength=n + 1)
+    return (par.to(device), ranks.to(device), levels, anc.to(device), int(ranks.max()) + 1, max(dep),
+            int(kids.max()))
+
+
+def selected_tree(cand: Candidates, scores: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The best ``n`` of an expansion's candidates (:func:`dynamic_tree_select` by
+    ``scores`` [B, M]) as (tokens [B, n], parents [B, n], num_nodes [B]), padded
+    with root children when there are fewer candidates than ``n``."""
+    sel = dynamic_tree_select(scores, cand.parents, n)
+    tokens, parents = cand.tokens.gather(1, sel.index), sel.parents
+    if tokens.shape[1] < n:  # fewer candidates than the budget (small top_k · depth)
+        b, pad = tokens.shape[0], n - tokens.shape[1]
+        tokens = torch.cat([tokens, tokens.new_zeros(b, pad)], 1)
+        parents = torch.cat([parents, parents.new_full((b, pad), -1)], 1)
+    return tokens, parents, sel.num_nodes

@@ -45,7 +45,7 @@ from specdec.core.kv_cache import block_table_array
 from specdec.core.pipeline_model import DecoderPipelineModel, registered_pipeline_model
 from specdec.sampling import LANE_DRAFT, SamplingTensors, greedy_tokens, probs_from_logits, sample_from
 from specdec.spec.forward_time import forward_time
-from specdec.spec.tree import TreeConfig, dynamic_tree_select, expand_topk, node_rows, static_tree, static_tree_tokens
+from specdec.spec.tree import TreeConfig, expand_topk, node_rows, selected_tree, static_tree_shape, static_tree_tokens
 from specdec.spec.proposers.base import (
     DraftBatch,
     Drafter,
@@ -197,37 +197,16 @@ class DraftModelDrafter(Drafter):
         order = scores.sort(dim=1, descending=True, stable=True).indices
         rank = torch.empty_like(order).scatter_(1, order, torch.arange(m, device=dev).expand(b, m))
         scores = scores.masked_fill(rank >= batch.num_draft.unsqueeze(1), float("-inf"))
-        sel = dynamic_tree_select(scores, cand.parents, n)
-        tokens, parents = cand.tokens.gather(1, sel.index), sel.parents
-        if tokens.shape[1] < n:  # fewer candidates than the budget (small top_k · depth)
-            pad = n - tokens.shape[1]
-            tokens = torch.cat([tokens, tokens.new_zeros(b, pad)], 1)
-            parents = torch.cat([parents, parents.new_full((b, pad), -1)], 1)
-        return DraftTree(tokens=tokens, parents=parents, is_chain=False, num_nodes=sel.num_nodes,
+        tokens, parents, num_nodes = selected_tree(cand, scores, n)
+        return DraftTree(tokens=tokens, parents=parents, is_chain=False, num_nodes=num_nodes,
                          max_depth=cfg.depth, max_children=k)
 
     def _static_shape(self, n: int, device: torch.device) -> Any:
-        """The static tree cut to its first ``n`` nodes: tensors and host facts (made once per n)."""
-        key = n
-        if key not in self._static:
+        """The static tree cut to its first ``n`` nodes (tree.static_tree_shape; made once per n)."""
+        if n not in self._static:
             assert self.tree is not None and self.tree.choices is not None
-            st = static_tree(self.tree.choices)
-            par, ranks, dep = st.parents[:n], st.ranks[:n], st.depths[:n].tolist()
-            levels = []  # (lo, hi) node range of each depth, in order
-            for d in range(1, max(dep) + 1):
-                idx = [i for i, x in enumerate(dep) if x == d]
-                levels.append((idx[0], idx[-1] + 1))
-            anc = torch.zeros(n, max(max(dep) - 1, 0), dtype=torch.long)  # ancestors of each node, root side first
-            for i in range(n):
-                chain, p = [], int(par[i])
-                while p >= 0:
-                    chain.append(p)
-                    p = int(par[p])
-                anc[i, : len(chain)] = torch.tensor(chain[::-1], dtype=torch.long)
-            kids = torch.bincount(par + 1, minlength=n + 1)
-            self._static[key] = (par.to(device), ranks.to(device), levels, anc.to(device),
-                                 int(ranks.max()) + 1, max(dep), int(kids.max()))
-        return self._static[key]
+            self._static[n] = static_tree_shape(self.tree.choices, n, device)
+        return self._static[n]
 
     def _static_tree(self, batch: DraftModelBatch, logits: torch.Tensor) -> DraftTree:
         """The static ``choices`` tree, one draft forward per level but the last."""

@@ -60,10 +60,10 @@ from specdec.spec.tree import (
     TreeConfig,
     accepted_slot_moves,
     compact_kv,
-    dynamic_tree_select,
     expand_topk,
     node_rows,
-    static_tree,
+    selected_tree,
+    static_tree_shape,
     static_tree_tokens,
 )
 from specdec.spec.proposers.base import (
@@ -226,13 +226,8 @@ class EagleDrafter(Drafter):
             return torch.log_softmax(lg.float(), -1)
 
         cand = expand_topk(torch.log_softmax(logits.float(), -1), draft_fn, cfg.depth, k)
-        sel = dynamic_tree_select(cand.scores.nan_to_num(nan=float("-inf")), cand.parents, n)
-        tokens, parents = cand.tokens.gather(1, sel.index), sel.parents
-        if tokens.shape[1] < n:  # fewer candidates than the budget (small top_k · depth)
-            pad = n - tokens.shape[1]
-            tokens = torch.cat([tokens, tokens.new_zeros(b, pad)], 1)
-            parents = torch.cat([parents, parents.new_full((b, pad), -1)], 1)
-        return DraftTree(tokens=tokens, parents=parents, is_chain=False, num_nodes=sel.num_nodes,
+        tokens, parents, num_nodes = selected_tree(cand, cand.scores.nan_to_num(nan=float("-inf")), n)
+        return DraftTree(tokens=tokens, parents=parents, is_chain=False, num_nodes=num_nodes,
                          max_depth=cfg.depth, max_children=k)
 
     def static_shape(self, n: int, device: torch.device | str = "cpu") -> Any:
@@ -266,28 +261,6 @@ class EagleDrafter(Drafter):
         return DraftTree(tokens=tokens, parents=par.expand(b, n), is_chain=False,
                          num_nodes=torch.full((b,), n, dtype=torch.long, device=logits.device),
                          max_depth=max_depth, max_children=max_kids)
-
-
-def static_tree_shape(choices: Any, n: int, device: torch.device | str = "cpu") -> tuple[Any, ...]:
-    """A static tree cut to its first ``n`` nodes: (parents [n], ranks [n], levels
-    [(lo, hi)] per depth, ancestors [n, D - 1] root side first, top-k needed,
-    max depth, max children)."""
-    st = static_tree(choices)
-    par, ranks, dep = st.parents[:n], st.ranks[:n], st.depths[:n].tolist()
-    levels = []
-    for d in range(1, max(dep) + 1):
-        idx = [i for i, x in enumerate(dep) if x == d]
-        levels.append((idx[0], idx[-1] + 1))
-    anc = torch.zeros(n, max(max(dep) - 1, 0), dtype=torch.long)
-    for i in range(n):
-        chain, p = [], int(par[i])
-        while p >= 0:
-            chain.append(p)
-            p = int(par[p])
-        anc[i, : len(chain)] = torch.tensor(chain[::-1], dtype=torch.long)
-    kids = torch.bincount(par + 1, minlength=n + 1)
-    return (par.to(device), ranks.to(device), levels, anc.to(device), int(ranks.max()) + 1, max(dep),
-            int(kids.max()))
 
 
 @register_proposer("eagle", EagleConfig)
