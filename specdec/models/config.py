@@ -192,3 +192,30 @@ class LlamaConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def hf_config_dict(cfg: LlamaConfig, dtype: str = "bfloat16") -> dict[str, Any]:
+    """The HF ``LlamaConfig`` layout of ``cfg`` (what ``config.json`` holds)."""
+    eos = cfg.eos_token_id[0] if len(cfg.eos_token_id) == 1 else list(cfg.eos_token_id)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope.theta,
+        "rope_scaling": None,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": eos,
+        "torch_dtype": dtype,
+    }

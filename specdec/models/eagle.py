@@ -39,7 +39,7 @@ from torch import nn
 
 from specdec.core.inputs import DecoderInputs
 from specdec.core.registry import DecoderModule, Role, register
-from specdec.models.config import LlamaConfig
+from specdec.models.config import LlamaConfig, hf_config_dict
 from specdec.models.llama import MLP, Attend, Attention, DecoderLayer, DenseCausalAttend, PagedAttend, RMSNorm, RopeTables
 
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
@@ -136,8 +136,6 @@ class EagleHeadConfig:
 
     def to_hf_dict(self, num_target_layers: int | None = None) -> dict[str, Any]:
         """The published ``config.json`` of this head."""
-        from specdec.train.export import hf_config_dict
-
         d = hf_config_dict(self.layer)
         d["tie_word_embeddings"] = False
         d["attention_bias"] = self.layer.attention_bias  # (a Qwen2 target's head has q/k/v biases)
