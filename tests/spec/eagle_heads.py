@@ -44,18 +44,29 @@ def eagle_head(target_dir: Path, out_dir: Path, kind: str, *, seed: int = 0, dra
 
 
 _HEADS: dict[tuple[str, str], Path] = {}
+_BASE: Path | None = None  # one temporary directory for the session's heads, removed at exit
+
+
+def _base() -> Path:
+    global _BASE
+    if _BASE is None:
+        import atexit
+        import shutil
+        import tempfile
+
+        _BASE = Path(tempfile.mkdtemp(prefix="specdec-test-heads-"))
+        atexit.register(shutil.rmtree, _BASE, True)
+    return _BASE
 
 
 def head_for(target: object, kind: str) -> Path:
     """A head for the tiny target ``target`` (a conftest ``Tiny``), made once per
     (target, kind): ``eagle``, ``eagle-echo``, ``eagle3`` or ``eagle3-small-vocab``
     (a draft vocabulary of 3/4 of the target's, a random subset)."""
-    import tempfile
-
     path = Path(target.path)  # type: ignore[attr-defined]
     key = (str(path), kind)
     if key not in _HEADS:
-        out = Path(tempfile.mkdtemp(prefix=f"head-{kind}-"))
+        out = _base() / f"{len(_HEADS)}-{kind}"
         vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
         base = "eagle3" if kind.startswith("eagle3") else "eagle"
         _HEADS[key] = eagle_head(path, out, base, echo=kind == "eagle-echo",
