@@ -40,7 +40,7 @@ import importlib
 import pkgutil
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, ClassVar, TypeVar
 
@@ -53,6 +53,7 @@ from specdec.core.inputs import DecoderInputs
 from specdec.core.pipeline_model import DecoderPipelineModel, RuntimeConfig
 from specdec.core.state_store import RequestStateStore, StateSpec
 from specdec.sampling import SamplingTensors
+from specdec.spec.tree import TreeConfig
 
 ENTRY_POINT_GROUP = "specdec.proposers"  # name -> "module" that registers that proposer
 
@@ -72,6 +73,29 @@ class ProposerConfig:
     def __post_init__(self) -> None:
         if not (0 <= self.num_speculative_tokens <= 64):
             raise ValueError(f"num_speculative_tokens must be in [0, 64], got {self.num_speculative_tokens}")
+
+
+@dataclass(frozen=True)
+class CheckpointProposerConfig(ProposerConfig):
+    """A drafter that loads a checkpoint (``path``) and may draft token trees.
+
+    ``tree``: a chain of γ tokens (default), or a static / dynamic top-k tree
+    (:class:`~specdec.spec.tree.TreeConfig`) whose node budget is γ
+    (``tree.total_tokens``, when set, becomes γ).
+    """
+
+    path: str = ""  # the drafter's checkpoint directory
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    path_is: ClassVar[str] = "the drafter's checkpoint directory"  # for the error when path is missing
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tree, dict):  # LLM(method={"name": ..., "tree": {...}})
+            object.__setattr__(self, "tree", TreeConfig(**self.tree))
+        if self.tree.is_tree:  # γ counts the tree's nodes (rows verified per request)
+            object.__setattr__(self, "num_speculative_tokens", self.tree.budget(self.num_speculative_tokens))
+        super().__post_init__()
+        if not self.path:
+            raise ValueError(f"path ({self.path_is}) is required")
 
 
 @dataclass

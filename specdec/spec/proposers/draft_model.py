@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -51,27 +51,18 @@ from specdec.spec.proposers.base import (
     Drafter,
     DraftTree,
     Proposer,
-    ProposerConfig,
+    CheckpointProposerConfig,
     ProposerDeps,
     register_proposer,
 )
 
 
 @dataclass(frozen=True)
-class DraftModelConfig(ProposerConfig):
-    path: str = ""  # the draft checkpoint directory (Hugging Face format, the target's vocabulary)
-    # Draft shape: a chain of γ tokens (default), or a static / dynamic top-k tree
-    # whose node budget is γ (tree.total_tokens, when set, becomes γ): TreeConfig.
-    tree: TreeConfig = field(default_factory=TreeConfig)
+class DraftModelConfig(CheckpointProposerConfig):
+    """``path``: the draft checkpoint (Hugging Face format, the target's vocabulary);
+    ``tree``: chain, or a static / dynamic top-k tree (CheckpointProposerConfig)."""
 
-    def __post_init__(self) -> None:
-        if isinstance(self.tree, dict):  # LLM(method={"name": ..., "tree": {...}})
-            object.__setattr__(self, "tree", TreeConfig(**self.tree))
-        if self.tree.is_tree:  # γ counts the tree's nodes (rows verified per request)
-            object.__setattr__(self, "num_speculative_tokens", self.tree.budget(self.num_speculative_tokens))
-        super().__post_init__()
-        if not self.path:
-            raise ValueError("path (the draft checkpoint directory) is required")
+    path_is: ClassVar[str] = "the draft checkpoint directory"
 
 
 @dataclass

@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field, replace
-from typing import Any, List, Optional
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, List, Optional
 
 import numpy as np
 import torch
@@ -70,7 +70,7 @@ from specdec.spec.proposers.base import (
     Drafter,
     DraftTree,
     Proposer,
-    ProposerConfig,
+    CheckpointProposerConfig,
     ProposerDeps,
     TargetStep,
     register_proposer,
@@ -78,20 +78,11 @@ from specdec.spec.proposers.base import (
 
 
 @dataclass(frozen=True)
-class EagleConfig(ProposerConfig):
-    path: str = ""  # the head's checkpoint directory (published EAGLE-1 layout)
-    # Draft shape: a chain of γ tokens (default), or a static / dynamic top-k tree
-    # whose node budget is γ (tree.total_tokens, when set, becomes γ): TreeConfig.
-    tree: TreeConfig = field(default_factory=TreeConfig)
+class EagleConfig(CheckpointProposerConfig):
+    """``path``: the head (published EAGLE-1 layout); ``tree``: chain, or a static /
+    dynamic top-k tree (CheckpointProposerConfig)."""
 
-    def __post_init__(self) -> None:
-        if isinstance(self.tree, dict):  # LLM(method={"name": ..., "tree": {...}})
-            object.__setattr__(self, "tree", TreeConfig(**self.tree))
-        if self.tree.is_tree:  # γ counts the tree's nodes (rows verified per request)
-            object.__setattr__(self, "num_speculative_tokens", self.tree.budget(self.num_speculative_tokens))
-        super().__post_init__()
-        if not self.path:
-            raise ValueError("path (the EAGLE head's checkpoint directory) is required")
+    path_is: ClassVar[str] = "the EAGLE head's checkpoint directory"
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -35,7 +36,7 @@ from specdec.spec.proposers.base import (
     Drafter,
     DraftTree,
     Proposer,
-    ProposerConfig,
+    CheckpointProposerConfig,
     ProposerDeps,
     TargetStep,
     register_proposer,
@@ -44,23 +45,19 @@ from specdec.spec.tree import TreeConfig
 
 
 @dataclass(frozen=True)
-class MedusaConfig(ProposerConfig):
-    path: str = ""  # the heads' checkpoint directory (either published Medusa layout)
-    # Draft shape: a chain of γ = min(K, num_speculative_tokens) top-1s (default), or a static
-    # tree (kind=static, Medusa-choices paths, at most K deep) whose node budget is γ: TreeConfig.
-    tree: TreeConfig = field(default_factory=TreeConfig)
+class MedusaConfig(CheckpointProposerConfig):
+    """``path``: the heads (either published Medusa layout); ``tree``: a chain of
+    γ = min(K, num_speculative_tokens) top-1s, or a static tree (Medusa-choices
+    paths, at most K deep) whose node budget is γ."""
+
+    path_is: ClassVar[str] = "the Medusa heads' checkpoint directory"
 
     def __post_init__(self) -> None:
-        if isinstance(self.tree, dict):  # LLM(method={"name": "medusa", "tree": {...}})
-            object.__setattr__(self, "tree", TreeConfig(**self.tree))
-        if self.tree.kind == "dynamic":
+        tree = self.tree if not isinstance(self.tree, dict) else TreeConfig(**self.tree)
+        if tree.kind == "dynamic":
             raise ValueError("method.medusa.tree.kind=dynamic: Medusa heads draft one distribution per depth, "
                              "not per node; use kind=static (Medusa choices) or chain")
-        if self.tree.is_tree:  # γ counts the tree's nodes (rows verified per request)
-            object.__setattr__(self, "num_speculative_tokens", self.tree.budget(self.num_speculative_tokens))
         super().__post_init__()
-        if not self.path:
-            raise ValueError("path (the Medusa heads' checkpoint directory) is required")
 
 
 class MedusaDrafter(Drafter):
