@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from specdec import plots
-from specdec.experiment.progress import Progress
+from specdec.logging.progress import Progress
 from specdec.plots import plot_run, run_context, wilson_interval
 
 from test_experiment import tiny_pair  # noqa: F401  (a fixture)

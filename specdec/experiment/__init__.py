@@ -98,7 +98,7 @@ from specdec.experiment.dashboard import (
     position_rows,
     run_labels,
 )
-from specdec.experiment.progress import Progress
+from specdec.logging.progress import Progress
 from specdec.experiment.runner import Request, Runner, request_seed
 from specdec.experiment.summary import TABLE_COLUMNS, request_metrics, summarize, table_rows
 from specdec.experiment.sweep import SweepPlots

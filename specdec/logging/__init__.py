@@ -1,4 +1,4 @@
-"""Run loggers (Weights & Biases, or none) and the console summary table.
+"""Run loggers (Weights & Biases, or none), the console summary table and progress (progress.py).
 
 ``LOGGERS`` maps ``logger.name`` to a class with the :class:`RunLogger`
 interface; every logger is best-effort: a failure never stops the run.

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from specdec.logging.progress import Progress, fmt_duration
 from specdec.train.config import TrainAppConfig, TrainConfigError, to_plain, to_train_config
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,6 @@ CONFIG_FILE = "train_config.json"
 HISTORY_FILE = "history.jsonl"
 MANIFEST = "manifest.json"
 PREFIX = "specdec.train"
-INTERVAL_S = 5.0
 # Config keys a resumed run may change (everything else must match the saved run's).
 RESUMABLE_CHANGES = ("stop_after", "resume", "resume_dir", "run_dir", "logger", "progress", "threads",
                      "out_dir", "data.cache_dir", "checkpoint_every", "eval")
@@ -77,66 +77,10 @@ class Terminated(KeyboardInterrupt):
 # --------------------------------------------------------------------------------------------
 # console progress and the run logger
 # --------------------------------------------------------------------------------------------
-def _fmt_s(s: float) -> str:
-    return f"{s:.1f}s" if s < 60 else f"{int(s // 60)}m{int(s % 60):02d}s"
-
-
-class TrainProgress:
-    """Steps done of ``total``: a tqdm bar on a terminal, else a line every :data:`INTERVAL_S` s."""
-
-    def __init__(self, total: int, done: int, *, enabled: bool = True, stream: Any = None) -> None:
-        self.total, self.done, self.start_done = total, done, done
-        self.enabled = enabled
-        self.stream = stream if stream is not None else sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self._bar: Any = None
-        self._t0 = time.perf_counter()
-        self._last = self._t0
-        self.postfix = ""
-
-    def line(self, text: str) -> None:
-        if not self.enabled:
-            return
-        msg = f"[{PREFIX} {time.strftime('%H:%M:%S')}] {text}"
-        if self._bar is not None:
-            self._bar.write(msg, file=self.stream)
-        else:
-            print(msg, file=self.stream, flush=True)
-
-    def start(self) -> None:
-        self._t0 = self._last = time.perf_counter()
-        if self.enabled and self.tty:
-            from tqdm.auto import tqdm
-
-            self._bar = tqdm(total=self.total, initial=self.done, desc="train", unit="step", file=self.stream,
-                             dynamic_ncols=True, mininterval=1.0)
-
-    def update(self, n: int, postfix: str) -> None:
-        self.done += n
-        self.postfix = postfix
-        if not self.enabled:
-            return
-        if self._bar is not None:
-            self._bar.update(n)
-            self._bar.set_postfix_str(postfix, refresh=False)
-            return
-        now = time.perf_counter()
-        if self.done >= self.total or now - self._last >= INTERVAL_S:
-            self._last = now
-            self.line(self.status())
-
-    def status(self) -> str:
-        el = time.perf_counter() - self._t0
-        ran = self.done - self.start_done
-        text = f"step {self.done}/{self.total} ({100 * self.done / max(1, self.total):.0f}%), {_fmt_s(el)}"
-        if 0 < ran and self.done < self.total:
-            text += f", ETA {_fmt_s(el / ran * (self.total - self.done))}"
-        return f"{text} | {self.postfix}" if self.postfix else text
-
-    def close(self) -> None:
-        if self._bar is not None:
-            bar, self._bar = self._bar, None
-            bar.close()
+def train_progress(total: int, done: int, *, enabled: bool = True) -> Progress:
+    """Steps done of ``total``: the experiment's progress (a bar on a terminal, else a line
+    every few seconds), counting steps as ``specdec.train``."""
+    return Progress(total, done, enabled=enabled, noun="step", unit="step", prefix=PREFIX)
 
 
 def build_train_logger(cfg: TrainAppConfig) -> Any:
@@ -290,7 +234,7 @@ def train(cfg: TrainAppConfig, run_dir: str | Path) -> dict[str, Any]:
         (run_dir / CONFIG_FILE).write_text(json.dumps(plain, indent=2) + "\n")
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
-    progress = TrainProgress(cfg.train.steps, int(state["step"]) if state else 0, enabled=cfg.progress)
+    progress = train_progress(cfg.train.steps, int(state["step"]) if state else 0, enabled=cfg.progress)
     rc = cfg.train
 
     # --- target, corpus, streams ------------------------------------------------------------
@@ -306,7 +250,7 @@ def train(cfg: TrainAppConfig, run_dir: str | Path) -> dict[str, Any]:
     train_ids = D.encode(tok, split.train, sep)
     held_ids = D.encode(tok, split.held_out, sep)
     progress.line(f"corpus: {len(split.train)} train / {len(split.held_out)} held-out files, "
-                  f"{train_ids.numel():,} / {held_ids.numel():,} tokens ({_fmt_s(time.perf_counter() - t0)})")
+                  f"{train_ids.numel():,} / {held_ids.numel():,} tokens ({fmt_duration(time.perf_counter() - t0)})")
 
     torch.manual_seed(cfg.seed)
     recipe = make_recipe(cfg, target, train_ids)
@@ -333,7 +277,7 @@ def train(cfg: TrainAppConfig, run_dir: str | Path) -> dict[str, Any]:
         wall_before = float(state.get("wall_s", 0.0))
         progress.line(f"resumed at step {step}/{rc.steps} from {state_path}")
 
-    with progress_phase(progress, "held-out set (target greedy continuations)"):
+    with progress.phase("held-out set (target greedy continuations)"):
         ev = D.eval_set(feats, held_ids, prompts=cfg.eval.prompts, prompt_len=cfg.eval.prompt_len,
                         new_tokens=cfg.eval.new_tokens, loss_windows=cfg.eval.loss_windows, seq_len=rc.seq_len)
     comparison = None
@@ -408,7 +352,7 @@ def train(cfg: TrainAppConfig, run_dir: str | Path) -> dict[str, Any]:
                 logger.log_step({f"train/{k}": v for k, v in row.items() if k != "step"}
                                 | {"train/epoch": order.epoch_of(step - 1)}, step)
                 acc = metrics.get("acc_0")
-                progress.update(1, f"loss {ema:.4f}" + (f" acc0 {acc:.3f}" if acc is not None else ""))
+                progress.update(1, postfix=f"loss {ema:.4f}" + (f" acc0 {acc:.3f}" if acc is not None else ""))
                 if step < rc.steps and (epoch_done or (cfg.eval.every and step % cfg.eval.every == 0)):
                     evaluate("epoch" if epoch_done else "interval")
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < rc.steps:
@@ -499,17 +443,9 @@ def train(cfg: TrainAppConfig, run_dir: str | Path) -> dict[str, Any]:
     logger.finish()
     size = sum(p.stat().st_size for p in files)
     progress.line(f"wrote {out} ({size / 2**20:.2f} MiB): τ@{cfg.eval.gamma} {shipped_tau['tau']:.3f} "
-                  f"(saved weights), {step} steps in {_fmt_s(wall)}"
+                  f"(saved weights), {step} steps in {fmt_duration(wall)}"
                   + (f"; draft model on the same prompts {comparison['tau']:.3f}" if comparison else ""))
     return manifest
-
-
-@contextmanager
-def progress_phase(progress: TrainProgress, what: str) -> Iterator[None]:
-    progress.line(f"{what} …")
-    t0 = time.perf_counter()
-    yield
-    progress.line(f"{what}: done in {_fmt_s(time.perf_counter() - t0)}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -550,4 +486,4 @@ def main() -> None:
     app()
 
 
-__all__ = ["Stopped", "TrainError", "TrainProgress", "main", "train"]
+__all__ = ["Stopped", "TrainError", "main", "train", "train_progress"]

@@ -47,11 +47,11 @@ from specdec.sampling import LANE_DRAFT, SamplingTensors, greedy_tokens, probs_f
 from specdec.spec.forward_time import forward_time
 from specdec.spec.tree import TreeConfig, expand_topk, node_rows, selected_tree, static_tree_shape, static_tree_tokens
 from specdec.spec.proposers.base import (
+    CheckpointProposerConfig,
     DraftBatch,
     Drafter,
     DraftTree,
     Proposer,
-    CheckpointProposerConfig,
     ProposerDeps,
     register_proposer,
 )

@@ -67,10 +67,10 @@ from specdec.spec.tree import (
     static_tree_tokens,
 )
 from specdec.spec.proposers.base import (
+    CheckpointProposerConfig,
     Drafter,
     DraftTree,
     Proposer,
-    CheckpointProposerConfig,
     ProposerDeps,
     TargetStep,
     register_proposer,

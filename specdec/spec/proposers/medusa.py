@@ -33,10 +33,10 @@ import torch
 from specdec.models.medusa import MedusaHeads, load_medusa
 from specdec.sampling import LANE_DRAFT, SamplingTensors, greedy_tokens, probs_from_logits, sample_from
 from specdec.spec.proposers.base import (
+    CheckpointProposerConfig,
     Drafter,
     DraftTree,
     Proposer,
-    CheckpointProposerConfig,
     ProposerDeps,
     TargetStep,
     register_proposer,

@@ -21,7 +21,7 @@ INTERVAL_S = 5.0  # at most one progress line per this many seconds when stderr 
 PREFIX = "specdec"
 
 
-def _fmt_s(s: float) -> str:
+def fmt_duration(s: float) -> str:
     return f"{s:.1f}s" if s < 60 else f"{int(s // 60)}m{int(s % 60):02d}s"
 
 
@@ -46,10 +46,16 @@ def figures_line(summary: Mapping[str, Any] | None) -> str:
 
 
 class Progress:
-    """Requests done of ``total`` (``done`` of them before this session), with the figures so far."""
+    """Requests done of ``total`` (``done`` of them before this session), with the figures so far.
+
+    ``noun`` / ``unit`` / ``prefix`` name what is counted and who speaks (the
+    training app counts ``step``s as ``specdec.train``)."""
 
     def __init__(self, total: int, done: int = 0, *, enabled: bool = True, stream: TextIO | None = None,
-                 interval_s: float = INTERVAL_S, tty: bool | None = None) -> None:
+                 interval_s: float = INTERVAL_S, tty: bool | None = None, noun: str = "requests",
+                 unit: str = "req", prefix: str = PREFIX) -> None:
+        self.noun, self.unit, self.prefix = noun, unit, prefix
+        self.postfix = ""  # a caller's own figures (update(postfix=...)), shown when there is no summary
         self.total = total
         self.done = done
         self.start_done = done
@@ -66,7 +72,7 @@ class Progress:
         """One timestamped line to the stream (above the bar while one is shown)."""
         if not self.enabled:
             return
-        msg = f"[{PREFIX} {time.strftime('%H:%M:%S')}] {text}"
+        msg = f"[{self.prefix} {time.strftime('%H:%M:%S')}] {text}"
         if self._bar is not None:
             self._bar.write(msg, file=self.stream)
         else:
@@ -80,34 +86,42 @@ class Progress:
         try:
             yield
         except BaseException:
-            self.line(f"{what}: stopped after {_fmt_s(time.perf_counter() - t0)}")
+            self.line(f"{what}: stopped after {fmt_duration(time.perf_counter() - t0)}")
             raise
-        self.line(f"{what}: done in {_fmt_s(time.perf_counter() - t0)}")
+        self.line(f"{what}: done in {fmt_duration(time.perf_counter() - t0)}")
 
     def start_requests(self, what: str) -> None:
         """Opens the bar (terminal) or prints the first line; ``what``: the pipelines and batch."""
+        self.start(f"{self.noun}: {self.total - self.done} to run of {self.total} ({what})")
+
+    def start(self, first_line: str | None = None) -> None:
+        """Starts the clock, prints ``first_line`` and opens the bar on a terminal."""
         self._t0 = time.perf_counter()
         self._last_line = self._t0
         if not self.enabled:
             return
-        self.line(f"requests: {self.total - self.done} to run of {self.total} ({what})")
+        if first_line:
+            self.line(first_line)
         if self.tty:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=self.total, initial=self.done, desc="requests", unit="req",
+            self._bar = tqdm(total=self.total, initial=self.done, desc=self.noun, unit=self.unit,
                              file=self.stream, dynamic_ncols=True)
 
-    def update(self, n: int, summary: Mapping[str, Any] | None = None) -> None:
-        """``n`` more requests done; ``summary``: the run's figures so far (for τ and tokens/s)."""
+    def update(self, n: int, summary: Mapping[str, Any] | None = None, *, postfix: str | None = None) -> None:
+        """``n`` more done; ``summary``: the run's figures so far (for τ and tokens/s),
+        or ``postfix``: a caller's own (a training loss)."""
         self.done += n
         if summary is not None:
             self._summary = summary
+        if postfix is not None:
+            self.postfix = postfix
         if not self.enabled:
             return
         if self._bar is not None:
             self._bar.update(n)
-            if summary is not None:
-                self._bar.set_postfix_str(figures_line(summary), refresh=False)
+            if summary is not None or postfix is not None:
+                self._bar.set_postfix_str(self._figures(), refresh=False)
             return
         now = time.perf_counter()
         if self.done >= self.total or self._last_line is None or now - self._last_line >= self.interval_s:
@@ -118,11 +132,14 @@ class Progress:
         """``requests 12/32 (38%), 41.0s, ETA 1m08s | <figures so far>``."""
         elapsed = time.perf_counter() - self._t0
         ran = self.done - self.start_done
-        text = f"requests {self.done}/{self.total} ({100 * self.done / max(self.total, 1):.0f}%), {_fmt_s(elapsed)}"
+        text = f"{self.noun} {self.done}/{self.total} ({100 * self.done / max(self.total, 1):.0f}%), {fmt_duration(elapsed)}"
         if 0 < ran and self.done < self.total:
-            text += f", ETA {_fmt_s(elapsed / ran * (self.total - self.done))}"
-        figs = figures_line(self._summary)
+            text += f", ETA {fmt_duration(elapsed / ran * (self.total - self.done))}"
+        figs = self._figures()
         return f"{text} | {figs}" if figs else text
+
+    def _figures(self) -> str:
+        return figures_line(self._summary) if self._summary is not None else self.postfix
 
     def close(self) -> None:
         """Closes the bar and, on a terminal, prints where the requests ended."""
