@@ -13,17 +13,20 @@ from bare forward times of the method's own models timed in the same run
 proposer at γ = 4, the issue goals' operating point), ``outputs_equal`` (every
 greedy output matched plain decoding) and the ``machine``.
 
-Token trees: every proposer in ``trees`` (one whose config has a ``tree``
-field) also runs as ``<name>_tree``, an EAGLE-2-style dynamic tree
-(``tree_top_k``, ``tree_depth``) whose node budget (``total_tokens``, the
-method's γ for a tree) takes each value of ``tree_budgets``. Those rows sit
+Token trees: every proposer in ``trees`` also runs as ``<name>_tree`` with a
+node budget (the method's γ for a tree) of each value of ``tree_budgets``: an
+EAGLE-2-style dynamic tree (``tree_top_k``, ``tree_depth``) for a config with
+a ``tree`` field, the static tree ``static_tree_choices`` (cut to the budget)
+for those in ``static_trees`` (Medusa), and ``ngram_branches`` branches under
+the root for n-gram (a config with ``branches``). Those rows sit
 beside the chains (``best``, ``speedup``, ``tau`` name them ``<name>_tree``);
 ``tree_budget`` in the JSON gives τ, speedup, mean tree size and accepted
 length per step against the budget; ``tree_vs_chain`` compares, per drafter,
 its best tree with its best chain (best τ of each and their ratio, best
-speedup of each: the issue's goal is τ ratio >= 1.15 and a higher speedup). Their analytic limit counts the tree's
-draft forwards (``tree_depth`` of them: the catch-up and one per level below
-the first) rather than γ.
+speedup of each: the issue's goal is τ ratio >= 1.15 and a higher speedup). The analytic
+limit of a dynamic tree counts its draft forwards (``tree_depth`` of them: the
+catch-up and one per level below the first) rather than γ; Medusa's heads run
+once per step whatever the tree, and n-gram has no forward.
 
 Drafters that take a checkpoint get the shipped one for the built-in target
 (``specdec/zoo/code-draft``, ``code-eagle``, ``code-eagle3`` …; a proposer
@@ -67,7 +70,7 @@ class SpecBenchConfig:
     quick: bool = False
     target: str = "builtin"  # "builtin", "random" or a checkpoint dir
     draft: str = "builtin"  # the `path` of proposers that take one: "builtin", "random" or a checkpoint dir
-    proposers: list[str] = field(default_factory=lambda: ["draft_model", "ngram", "eagle", "eagle3"])
+    proposers: list[str] = field(default_factory=lambda: ["draft_model", "ngram", "eagle", "eagle3", "medusa"])
     gammas: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     num_prompts: int = 8
     new_tokens: int = 64
@@ -76,11 +79,17 @@ class SpecBenchConfig:
     threads: int = 2
     device: str = "cpu"  # cuda: see gpu.sh
     compile: bool = False  # runtime.compile for every pipeline
-    # also run as <name>_tree (dynamic tree; EAGLE heads too: eagle_tree, eagle3_tree)
-    trees: list[str] = field(default_factory=lambda: ["draft_model", "eagle", "eagle3"])
+    # also run as <name>_tree: eagle_tree, eagle3_tree, draft_model_tree (dynamic), medusa_tree (static), ngram_tree
+    trees: list[str] = field(default_factory=lambda: ["draft_model", "eagle", "eagle3", "medusa", "ngram"])
     tree_budgets: list[int] = field(default_factory=lambda: [4, 8, 16])  # nodes per request per step
     tree_top_k: int = 4
     tree_depth: int = 5
+    static_trees: list[str] = field(default_factory=lambda: ["medusa"])  # these draft static_tree_choices
+    # Medusa-style choices (paths of top-k ranks), parents first, likeliest first: a budget keeps a prefix.
+    static_tree_choices: list[list[int]] = field(default_factory=lambda: [
+        [0], [0, 0], [1], [0, 0, 0], [0, 1], [2], [1, 0], [0, 0, 0, 0], [0, 0, 1], [0, 2], [3], [1, 1],
+        [0, 1, 0], [2, 0], [0, 0, 0, 1], [1, 0, 0]])
+    ngram_branches: int = 3  # ngram_tree: followers of the matched n-gram drafted as branches
 
 
 def inputs(cfg: SpecBenchConfig) -> tuple[Path, Path, list[list[int]]]:
@@ -110,16 +119,25 @@ def drafter_path(name: str, cfg: SpecBenchConfig, target: Path, draft: Path) -> 
 TREE_SUFFIX = "_tree"
 
 
+def has_field(name: str, f: str) -> bool:
+    return any(x.name == f for x in dataclasses.fields(config_class(name)))
+
+
 def method(name: str, gamma: int, path: Path | None, cfg: SpecBenchConfig | None = None) -> ProposerConfig:
     """Proposer ``name``'s config at γ (with ``path`` when it takes a checkpoint);
-    ``<name>_tree``: ``name`` drafting a dynamic tree of γ nodes."""
+    ``<name>_tree``: ``name`` drafting a tree of γ nodes (module doc)."""
+    cfg = cfg or SpecBenchConfig()
     extra: dict[str, Any] = {"path": str(path)} if path else {}
     if name.endswith(TREE_SUFFIX):
         from specdec.spec.tree import TreeConfig
 
         name = name[: -len(TREE_SUFFIX)]
-        top_k, depth = (cfg.tree_top_k, cfg.tree_depth) if cfg is not None else (4, 5)
-        extra["tree"] = TreeConfig(kind="dynamic", top_k=top_k, depth=depth)
+        if has_field(name, "branches"):
+            extra["branches"] = cfg.ngram_branches
+        elif name in cfg.static_trees:
+            extra["tree"] = TreeConfig(kind="static", choices=cfg.static_tree_choices)
+        else:
+            extra["tree"] = TreeConfig(kind="dynamic", top_k=cfg.tree_top_k, depth=cfg.tree_depth)
     return config_class(name)(num_speculative_tokens=gamma, **extra)
 
 
@@ -142,8 +160,7 @@ def main(argv: list[str]) -> None:
         print(f"skipping {n}: no checkpoint for it here (specdec/zoo has none for this target)")
     names = [n for n in cfg.proposers if n not in takes_path or paths[n] is not None]
     grid = {f"{n} γ={g}": (n, g) for n in names for g in cfg.gammas}
-    tree_names = [n for n in names if n in cfg.trees
-                  and any(f.name == "tree" for f in dataclasses.fields(config_class(n)))]
+    tree_names = [n for n in names if n in cfg.trees and (has_field(n, "tree") or has_field(n, "branches"))]
     grid |= {f"{n}{TREE_SUFFIX} γ={g}": (n + TREE_SUFFIX, g) for n in tree_names for g in cfg.tree_budgets}
     for n in names:
         paths[n + TREE_SUFFIX] = paths[n]
@@ -164,7 +181,9 @@ def main(argv: list[str]) -> None:
         counts = llms[key].pipeline.stats().counts  # the last timed pass's
         speedup = timing.speedup(key)
         bt = bare[key]
-        if name.endswith(TREE_SUFFIX):  # draft forwards: tree_depth (each top_k wide), not γ
+        base = name[: -len(TREE_SUFFIX)]
+        if name.endswith(TREE_SUFFIX) and has_field(base, "tree") and base not in cfg.static_trees:
+            # a dynamic tree's draft forwards: tree_depth (each top_k wide), not γ
             limit = dataclasses.replace(bt, t_draft_1=bt.t_draft_1 * cfg.tree_depth / g).limit(counts.tau, g)
         else:
             limit = bt.limit(counts.tau, g)

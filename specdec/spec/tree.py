@@ -67,6 +67,7 @@ from dataclasses import dataclass
 from typing import Any, List, NamedTuple, Optional  # noqa: UP035 (OmegaConf reads typing generics)
 
 import torch
+import torch.nn.functional as F
 
 from specdec.core.inputs import DecoderInputs, KVCacheTensors, MaskKind
 from specdec.sampling import LANE_ACCEPT, LANE_RESIDUAL, LANE_TARGET, greedy_tokens, sample_from, uniform
@@ -527,6 +528,15 @@ def verify_tree_greedy(
     return TreeVerdict(path, out, (path >= 0).sum(1) - 1)
 
 
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``norm(max(0, p - q))`` [B, V]: what is left of ``p`` once a child drawn from ``q``
+    was rejected (a point mass ``q`` at x: ``p`` without x). Where nothing is left
+    (``p == q``, when rejection cannot happen) ``p`` itself."""
+    resid = (p - q).clamp(min=0)
+    mass = resid.sum(1, keepdim=True)
+    return torch.where(mass > 0, resid / mass.clamp(min=torch.finfo(p.dtype).tiny), p)
+
+
 def verify_tree_sampled(
     *,
     tokens: torch.Tensor,  # [B, N] int64
@@ -618,14 +628,11 @@ def verify_tree_sampled(
             u = uniform(seeds, pos, tree_lane(LANE_ACCEPT, s))  # [B]
             if draft_probs is None:
                 accept = trying & (u <= p_x)
-                resid = p.scatter(1, x.unsqueeze(1), 0.0)  # p without x
+                q = F.one_hot(x, p.shape[1]).to(p.dtype)  # a point mass at x
             else:
                 q = draft_probs[ar_b, node]  # [B, V]
                 accept = trying & (u * q.gather(1, x.unsqueeze(1)).squeeze(1) <= p_x)
-                resid = (p - q).clamp(min=0)  # [B, V]
-            mass = resid.sum(1, keepdim=True)  # [B, 1]; 0 only if p == q (then rejection cannot happen)
-            resid = torch.where(mass > 0, resid / mass.clamp(min=torch.finfo(p.dtype).tiny), p)
-            p = torch.where((trying & ~accept).unsqueeze(1), resid, p)
+            p = torch.where((trying & ~accept).unsqueeze(1), residual(p, q), p)
             taken = torch.where(accept, child, taken)
         accepted = taken >= 0
         has_kids = my_kids[:, 0] >= 0

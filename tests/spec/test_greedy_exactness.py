@@ -178,6 +178,8 @@ def _rand_prompts(seed: int, n: int, lo: int = 1, hi: int = 40) -> list[list[int
 
 METHODS = {
     "ngram": lambda tiny_llama, g: NgramConfig(num_speculative_tokens=g, max_n=3, min_n=1),
+    # Branches under the root: the followers of the matched n-gram, verified as one tree.
+    "ngram_tree": lambda tiny_llama, g: NgramConfig(num_speculative_tokens=g, max_n=2, min_n=1, branches=3),
     "draft_model": lambda tiny_llama, g: DraftModelConfig(
         path=str(_drafter(tiny_llama, "perturbed", "loopy").path), num_speculative_tokens=g
     ),

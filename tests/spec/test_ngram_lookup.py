@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec.core.context import SamplingParams, TextContext
-from specdec.spec.proposers.ngram import NgramConfig, NgramProposer, _Index, lookup
+from specdec.spec.proposers.ngram import NgramConfig, NgramProposer, _Index, lookup, lookup_tree
 
 
 def draft(tokens: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
@@ -92,6 +92,97 @@ def test_a_growing_index_drafts_what_the_definition_says(tokens, cuts, k, max_n,
     for end in sorted({c for c in cuts if c < len(tokens)} | {len(tokens)}):
         prefix = tokens[:end]
         assert lookup(prefix, index, max_n, min_n, k) == reference(prefix, k, max_n, min_n)
+
+
+# -- branches (NgramConfig.branches > 1) ---------------------------------------------------
+
+
+def followers(tokens: list[int], context: list[int], max_n: int, min_n: int) -> list[int]:
+    """Every follower, in order, of the longest n-gram ending ``context`` that has one."""
+    for n in range(min(max_n, len(context)), min_n - 1, -1):
+        found = [tokens[e] for e in range(n, len(tokens)) if tokens[e - n : e] == context[-n:]]
+        if found:
+            return found
+    return []
+
+
+def reference_tree(tokens: list[int], k: int, max_n: int, min_n: int, branches: int) -> list[tuple[int, ...]]:
+    """The module doc's tree by brute force, as the kept root-to-node paths: every
+    chain from each of the first ``branches`` root followers (the drafted one, then
+    by count, ties the first seen), each node scored by the product of its
+    followers' frequencies; the k best (ties: shallower, then earlier branch)."""
+    root = followers(tokens, tokens, max_n, min_n)
+    if not root or k == 0:
+        return []
+    best = reference(tokens, 1, max_n, min_n)[0]
+    heads = [best] + sorted(dict.fromkeys(t for t in root if t != best), key=lambda t: -root.count(t))
+    cand = []
+    for bi, head in enumerate(heads[:branches]):
+        path, score = [head], root.count(head) / len(root)
+        cand.append((-score, 0, bi, tuple(path)))
+        for depth in range(1, k):
+            f = followers(tokens, tokens + path, max_n, min_n)
+            if not f:
+                break
+            nxt = reference(tokens + path, 1, max_n, min_n)[0]  # the chain rule, on the grown context
+            assert nxt in f
+            score *= f.count(nxt) / len(f)
+            path = path + [nxt]
+            cand.append((-score, depth, bi, tuple(path)))
+    return sorted(c[3] for c in sorted(cand)[:k])
+
+
+def paths(tokens: list[int], parents: list[int]) -> list[tuple[int, ...]]:
+    out = []
+    for i in range(len(tokens)):
+        p, j = [], i
+        while j >= 0:
+            p.append(tokens[j])
+            j = parents[j]
+        out.append(tuple(reversed(p)))
+    return sorted(out)
+
+
+def test_branches_docstring_examples() -> None:
+    t = [5, 6, 1, 7, 8, 5, 6, 1, 7, 8, 5, 6, 2, 9, 5, 6]
+    assert lookup_tree(t, _Index(), 2, 1, 3, 2) == ([1, 7, 8], [-1, 0, 1])  # nothing in doubt: the chain
+    t = [5, 6, 2, 9, 5, 6, 1, 7, 3, 5, 6]
+    assert lookup_tree(t, _Index(), 2, 1, 4, 2) == ([1, 7, 2, 9], [-1, 0, -1, 2])
+    assert lookup_tree(t, _Index(), 2, 1, 4, 3) == ([1, 7, 2, 9], [-1, 0, -1, 2])  # only two followers
+    assert lookup_tree(t, _Index(), 2, 1, 0, 2) == ([], [])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 3), min_size=1, max_size=40),
+    k=st.integers(0, 8),
+    max_n=st.integers(1, 3),
+    branches=st.integers(1, 4),
+    data=st.data(),
+)
+def test_a_tree_keeps_the_best_nodes_and_one_branch_is_the_chain(tokens, k, max_n, branches, data) -> None:
+    min_n = data.draw(st.integers(1, max_n))
+    toks, parents = lookup_tree(tokens, _Index(), max_n, min_n, k, branches)
+    assert len(toks) <= k and all(p < i for i, p in enumerate(parents))  # parents first
+    assert paths(toks, parents) == reference_tree(tokens, k, max_n, min_n, branches)
+    if branches == 1:
+        assert toks == lookup(tokens, _Index(), max_n, min_n, k) and parents == list(range(-1, len(toks) - 1))
+
+
+def test_the_proposer_packs_ragged_trees_with_their_host_facts() -> None:
+    proposer = NgramProposer(NgramConfig(num_speculative_tokens=4, max_n=2, branches=2))
+    two = _ctx("two", [5, 6, 2, 9, 5, 6, 1, 7, 3, 5, 6])  # 1 → 7 and 2 → 9
+    loop = _ctx("loop", [7, 8, 1, 2, 1, 2, 1, 2])  # one follower each time: a chain
+    batch = proposer.prepare([two, loop], 4, [4, 3])
+    assert batch.gamma == 4 and batch.num_draft.tolist() == [4, 3]
+    assert batch.tokens.tolist() == [[1, 7, 2, 9], [1, 2, 1, 0]]
+    assert batch.parents is not None and batch.parents.tolist() == [[-1, 0, -1, 2], [-1, 0, 1, -1]]
+    assert (batch.max_depth, batch.max_children) == (3, 2)
+    tree = proposer.drafter(batch, None)
+    assert not tree.is_chain and tree.num_nodes.tolist() == [4, 3]
+    # Chains everywhere: the step keeps the chain path.
+    chains = proposer.prepare([loop], 4, [2])
+    assert chains.parents is None and proposer.drafter(chains, None).is_chain
 
 
 def _ctx(rid: str, tokens: list[int]) -> TextContext:

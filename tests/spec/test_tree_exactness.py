@@ -32,6 +32,7 @@ from specdec.core.pipeline_model import RuntimeConfig
 from specdec.engine import EngineConfig
 from specdec.spec import pipeline as spec_pipeline
 from specdec.spec.proposers.draft_model import DraftModelConfig
+from specdec.spec.proposers.ngram import NgramConfig
 from specdec.spec.tree import TreeConfig
 
 from test_greedy_exactness import HYP, MIN_MARGIN, VOCAB, _drafter, _rand_prompts, _target, prompts
@@ -72,11 +73,22 @@ def _run(target, method, ps, sps, gammas, block) -> tuple[list[list[int]], Any]:
     return [c.generated for c in ctxs], llm
 
 
-def _tree_case(tiny_llama, generate, greedy_margin, data) -> None:
-    tkind = data.draw(st.sampled_from(["full", "loopy"]), label="target")
+def _draft_model_tree(tiny_llama, data, tkind) -> DraftModelConfig:
     dkind = data.draw(st.sampled_from(["self", "perturbed", "unrelated"]), label="drafter")
-    target, drafter = _target(tiny_llama, tkind), _drafter(tiny_llama, dkind, tkind)
     tree, gamma = data.draw(trees(), label="tree")
+    return DraftModelConfig(path=str(_drafter(tiny_llama, dkind, tkind).path), num_speculative_tokens=gamma, tree=tree)
+
+
+def _ngram_tree(tiny_llama, data, tkind) -> NgramConfig:
+    return NgramConfig(num_speculative_tokens=data.draw(st.integers(1, 10), label="gamma"),
+                       branches=data.draw(st.integers(2, 4), label="branches"),
+                       max_n=data.draw(st.integers(1, 3), label="max_n"), min_n=1)
+
+
+def _tree_case(tiny_llama, generate, greedy_margin, data, make_method=_draft_model_tree) -> None:
+    tkind = data.draw(st.sampled_from(["full", "loopy"]), label="target")
+    target = _target(tiny_llama, tkind)
+    method = make_method(tiny_llama, data, tkind)
     b = data.draw(st.integers(1, 8), label="batch")
     ps = [data.draw(prompts(), label="prompt") for _ in range(b)]
     sps = [SamplingParams(max_new_tokens=data.draw(st.integers(4, 20))) for _ in range(b)]
@@ -85,7 +97,6 @@ def _tree_case(tiny_llama, generate, greedy_margin, data) -> None:
     block = data.draw(st.sampled_from([4, 8, 16]), label="block")
     ref, _ = generate(target, None, ps, sps, block_size=block)
     assume(min(greedy_margin(target.hf, p, r) for p, r in zip(ps, ref)) > MIN_MARGIN)
-    method = DraftModelConfig(path=str(drafter.path), num_speculative_tokens=gamma, tree=tree)
     out, llm = _run(target, method, ps, sps, gammas, block)
     for i, (o, r) in enumerate(zip(out, ref)):
         assert o == r, f"request {i} (prompt len {len(ps[i])}, cap {gammas[i]}): tree {o} != plain {r}"
@@ -104,6 +115,36 @@ def test_draft_model_tree_greedy_is_exact(tiny_llama, generate, greedy_margin, d
 @given(data=st.data())
 def test_draft_model_tree_greedy_is_exact_many_examples(tiny_llama, generate, greedy_margin, data) -> None:
     _tree_case(tiny_llama, generate, greedy_margin, data)
+
+
+@settings(HYP, max_examples=15)
+@given(data=st.data())
+def test_ngram_tree_greedy_is_exact(tiny_llama, generate, greedy_margin, data) -> None:
+    # Branches under the root (several followers of the matched n-gram), ragged per request.
+    _tree_case(tiny_llama, generate, greedy_margin, data, _ngram_tree)
+
+
+def test_ngram_tree_accepts_paths_through_other_branches(tiny_llama, generate, monkeypatch) -> None:
+    # Endings followed by several different tokens: the tree verifies those
+    # branches in one forward, and some steps accept a path that does not start
+    # at the chain's first token (path row 1 is not node 0's row).
+    real = spec_pipeline.verify_tree_greedy
+    first_rows: list[int] = []
+
+    def spy(**kw: Any) -> Any:
+        v = real(**kw)
+        first_rows.extend(v.path[:, 1].tolist())
+        return v
+
+    monkeypatch.setattr(spec_pipeline, "verify_tree_greedy", spy)
+    target = _target(tiny_llama, "loopy")
+    ps = _rand_prompts(30, 8, lo=20, hi=40)
+    sp = SamplingParams(max_new_tokens=24)
+    ref, _ = generate(target, None, ps, sp)
+    out, llm = generate(target, NgramConfig(num_speculative_tokens=6, max_n=2, branches=3), ps, sp)
+    assert out == ref
+    assert llm.pipeline.stats().counts.tree_size > 0
+    assert any(r > 1 for r in first_rows), "no step accepted a branch other than the first"
 
 
 def test_tree_budget_sets_gamma_and_config_errors() -> None:
@@ -213,7 +254,8 @@ def _tree_method(models, drafter: str, tree: str) -> DraftModelConfig:
     return DraftModelConfig(path=str(models[drafter].path), tree=SAMPLED_TREES[tree])
 
 
-def sample_joint(target: Any, method: Any, *, seed0: int, n: int = N, **sampling: Any) -> tuple[np.ndarray, Any]:
+def sample_joint(target: Any, method: Any, *, seed0: int, n: int = N, prompt: list[int] = PROMPT,
+                 **sampling: Any) -> tuple[np.ndarray, Any]:
     """Counts [V, V, V] of the first three tokens over ``n`` seeded requests.
 
     Each request generates 6 tokens (only the first three are counted): a
@@ -223,7 +265,7 @@ def sample_joint(target: Any, method: Any, *, seed0: int, n: int = N, **sampling
     llm = LLM(str(target.path), method, runtime=rt, engine_config=EngineConfig(max_batch_size=256))
     sps = [SamplingParams(seed=seed0 + i, max_new_tokens=6, **sampling) for i in range(n)]
     counts = np.zeros((V, V, V))
-    for o in llm.generate([PROMPT] * n, sps):
+    for o in llm.generate([prompt] * n, sps):
         assert len(o.token_ids) == 6, o
         counts[tuple(o.token_ids[:3])] += 1
     return counts, llm
@@ -247,6 +289,24 @@ def test_sampled_tree_follows_the_target_distribution(models, drafter, tree, sam
     assert p > P_PASS, f"{drafter} {tree} {sampling}: chi-square p = {p:.3g}"
 
 
+# "1 2" was followed by 3, 4 and 5: the n-gram tree has three branches under the root.
+BRANCHY = [1, 2, 3, 1, 2, 4, 1, 2, 5, 6, 1, 2]
+NGRAM_TREE = NgramConfig(num_speculative_tokens=GAMMA_NODES, max_n=2, branches=3)
+
+
+def test_sampled_ngram_tree_follows_the_target_distribution(models) -> None:
+    # Deterministic drafts (q one-hot) in a tree of several branches: each tried
+    # child is accepted with its residual probability.
+    target = models["target"]
+    probs = exact_joint(target.hf, BRANCHY, temperature=1.0)
+    counts, llm = sample_joint(target, NGRAM_TREE, seed0=140_000, prompt=BRANCHY, temperature=1.0)
+    p = gof_pvalue(counts, probs)
+    c = llm.pipeline.stats().counts
+    print(f"chi-square p = {p:.3g}, alpha = {c.alpha:.3f}, tau = {c.tau:.3f}")
+    assert c.tree_size > 2 and c.accepted > N // 4
+    assert p > P_PASS, f"n-gram tree: chi-square p = {p:.3g}"
+
+
 def test_the_test_rejects_tree_verification_with_the_wrong_draft_distribution(models, monkeypatch) -> None:
     # Planted bug: the top-k tree's nodes are verified as if drawn from the
     # uniform distribution (q = 1/V), not as the point masses they are:
@@ -262,6 +322,22 @@ def test_the_test_rejects_tree_verification_with_the_wrong_draft_distribution(mo
     target = models["target"]
     probs = exact_joint(target.hf, PROMPT, temperature=1.0)
     counts, _ = sample_joint(target, _tree_method(models, "unrelated", "dynamic"), seed0=110_000, temperature=1.0)
+    p = gof_pvalue(counts, probs)
+    print(f"chi-square p = {p:.3g}")
+    assert p < P_FAIL, f"the planted bug went unnoticed: chi-square p = {p:.3g}"
+
+
+def test_the_test_rejects_an_ngram_tree_verified_path_by_path(models, monkeypatch) -> None:
+    # Planted bug (the issue's negative control): every branch is tried against the
+    # unchanged target distribution, as if each root-to-leaf path were verified on
+    # its own and the longest accepted kept. A rejected child must leave only the
+    # residual to its siblings and to the recovered token; here it leaves all of p.
+    import specdec.spec.tree as tree_mod
+
+    monkeypatch.setattr(tree_mod, "residual", lambda p, q: p)
+    target = models["target"]
+    probs = exact_joint(target.hf, BRANCHY, temperature=1.0)
+    counts, _ = sample_joint(target, NGRAM_TREE, seed0=140_000, prompt=BRANCHY, temperature=1.0)
     p = gof_pvalue(counts, probs)
     print(f"chi-square p = {p:.3g}")
     assert p < P_FAIL, f"the planted bug went unnoticed: chi-square p = {p:.3g}"
