@@ -12,7 +12,11 @@ only how they are measured):
   (:func:`specdec.spec.metrics.analytic_limit`), from bare forward times of
   the method's own models, timed interleaved (:func:`limit_forward_times`);
   T_draft = 0 for a method with no draft model;
-- **efficiency** = speedup ÷ analytic limit (:func:`efficiency`).
+- **efficiency** = speedup ÷ analytic limit (:func:`efficiency`);
+- **step-time breakdown** (:func:`step_breakdown`): a run's milliseconds per
+  speculative step in each phase of the step (:class:`specdec.spec.metrics.PhaseTimes`)
+  beside what the analytic limit charges for it, and the share of the run's
+  wall time the phases account for.
 
 And the small things every benchmark needs: :func:`load_config` (``key=value``
 overrides through Hydra), :func:`print_table`, :func:`emit_json` (the closing
@@ -44,7 +48,7 @@ from specdec.conf_schema import ZOO_DIR
 from specdec.core.kv_cache import OutOfBlocks
 from specdec.core.pipeline_model import DecoderPipelineModel
 from specdec.spec.forward_time import forward_time
-from specdec.spec.metrics import analytic_limit
+from specdec.spec.metrics import PHASES, RunStats, analytic_limit
 from specdec.spec.proposers.base import Proposer
 
 if TYPE_CHECKING:
@@ -186,6 +190,51 @@ class ForwardTimes:
     def limit(self, tau: float, gamma: int) -> float:
         """The analytic limit at this τ and γ."""
         return analytic_limit(tau=tau, gamma=gamma, **dataclasses.asdict(self))
+
+
+def step_breakdown(stats: RunStats, wall_s: float, bare: ForwardTimes | None, *, gamma: int,
+                   draft_forwards: float | None = None) -> dict[str, Any]:
+    """Milliseconds per speculative step, phase by phase, beside the bare cost the analytic limit charges.
+
+    ``stats``: the pipeline's figures of one timed pass (reset before it), ``wall_s``
+    that pass's wall time. ``phases[p] = [in-loop ms, bare ms]`` per step. Bare: the
+    target's forward T_target(γ+1); the drafter's ``draft_forwards`` one-token
+    forwards (default γ; a dynamic tree's depth), the first of them charged to
+    ``draft_catch_up`` when the drafter has one; nothing for host work
+    (packing, verification, sync, commit), which the limit leaves out. ``outside``:
+    the wall time per step outside every phase (the engine's scheduling and stop
+    checks, the API); ``accounted`` = the phases' share of the wall time;
+    ``step_ms`` / ``bare_step_ms``: the whole step in the loop and in the limit.
+    """
+    n = max(stats.spec_steps, 1)
+    ms = {p: stats.phase_s.get(p, 0.0) * 1e3 / n for p in PHASES}
+    k = gamma if draft_forwards is None else draft_forwards
+    bare_ms = dict.fromkeys(PHASES, 0.0)
+    if bare is not None:
+        td = bare.t_draft_1 * 1e3
+        catch = td if ms["draft_catch_up"] > 0 and k > 0 else 0.0
+        bare_ms.update(target_forward=bare.t_target_g1 * 1e3, draft_catch_up=catch, draft_steps=k * td - catch)
+    total = sum(ms.values())
+    wall = wall_s * 1e3 / n
+    return {"steps": stats.spec_steps, "step_ms": wall, "bare_step_ms": sum(bare_ms.values()),
+            "phases": {p: [round(ms[p], 4), round(bare_ms[p], 4)] for p in PHASES},
+            "outside_ms": wall - total, "accounted": total / wall if wall > 0 else 0.0}
+
+
+def breakdown_row(name: str, b: Mapping[str, Any]) -> dict[str, Any]:
+    """One table row of a :func:`step_breakdown`: ms per step, in loop (bare where the limit charges it)."""
+    ph = b["phases"]
+
+    def cell(*ps: str) -> str:
+        got, bare = sum(ph[p][0] for p in ps), sum(ph[p][1] for p in ps)
+        return f"{got:.2f}" + (f" ({bare:.2f})" if bare else "")
+
+    return {"run": name, "step_ms": f"{b['step_ms']:.2f} ({b['bare_step_ms']:.2f})",
+            "draft_prep": cell("draft_prepare"), "target_prep": cell("target_prepare"),
+            "catch_up": cell("draft_catch_up"), "draft_steps": cell("draft_steps"),
+            "target_fwd": cell("target_forward"), "verify": cell("verify"),
+            "sync+commit": cell("sync", "commit"), "prefill": cell("prefill"),
+            "outside": f"{b['outside_ms']:.2f}", "accounted": f"{b['accounted']:.3f}"}
 
 
 def efficiency(speedup: float | None, limit: float | None) -> float | None:

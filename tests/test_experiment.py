@@ -129,6 +129,10 @@ def test_end_to_end_files_wandb_and_resume(tiny_pair, tmp_path, monkeypatch):
         assert m["tokens"] == 32 and m["speedup"] > 0
         assert 1.0 <= m["tau"] <= 4.0 and 0.0 <= m["alpha"] <= 1.0
         assert sum(m["accepted_hist"]) == m["steps"]
+        # The step-time breakdown: every phase counted, the target's forward and (draft model) a catch-up in it.
+        ph = m["step_time_ms"]
+        assert min(ph.values()) >= 0 and ph["target_forward"] > 0 and 0 < m["step_time_accounted"] <= 1
+        assert (ph["draft_catch_up"] > 0) == (name == "draft_model")
     dm = on_disk["methods"]["draft_model"]
     assert 0 < dm["alpha"] < 1 and dm["tau"] > 1  # the perturbed target: some drafts kept, some not
     assert len(dm["per_position_acceptance"]) == 3
@@ -136,6 +140,7 @@ def test_end_to_end_files_wandb_and_resume(tiny_pair, tmp_path, monkeypatch):
     for png in ("acceptance_per_position", "tau_speedup", "accepted_hist"):
         assert (run_dir / "plots" / f"{png}.png").stat().st_size > 1000
     assert "draft_model" in (run_dir / "summary.txt").read_text()
+    assert "step time (ms per speculative step" in (run_dir / "summary.txt").read_text()
     offline = list((tmp_path / "wandb_dir").rglob("offline-run-*"))
     assert offline and any(p.is_dir() for p in offline), "no offline W&B run directory"
 

@@ -32,6 +32,11 @@ the prefill takes the same time with and without speculation
 (``efficiency_batch1_e2e_cap``). Either can pass 1: plain decoding's own host
 work per token is in the speedup, not in the limit's bare T(1).
 
+A second batch-1 table splits each of our speculative runs' steps into phases
+(:func:`specdec.measure.step_breakdown`), the draft model's beside the bare
+costs its analytic limit charges; ``accounted_min`` is the smallest share of a
+pass's wall time the phases account for.
+
 Writes a table, ``compare_hf.json`` and ``compare_hf.png`` (into ``out=``,
 default ``outputs/bench``), and ends with one JSON line: ``draft_vs_hf_assisted``,
 ``ngram_vs_hf_prompt_lookup``, ``efficiency_batch1``, ``min_spec_vs_plain``,
@@ -58,6 +63,7 @@ from specdec.engine import EngineConfig, GenerationOutput
 from specdec.measure import (
     Run,
     Timing,
+    breakdown_row,
     builtin_pair,
     builtin_prompts,
     efficiency,
@@ -69,6 +75,7 @@ from specdec.measure import (
     outputs_equal,
     print_table,
     random_checkpoint,
+    step_breakdown,
 )
 from specdec.spec.proposers import ProposerConfig, config_class
 
@@ -213,6 +220,11 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
             for k, v in tps.items()]
     print_table(rows, f"batch 1, greedy, {len(prompts)} prompts x {n} tokens, medians of {cfg.repeats} "
                       f"interleaved passes ({name} pair)")
+    # Where each speculative step's time goes (the last timed pass of each of ours).
+    steps = {k: step_breakdown(llm.pipeline.stats(), timing.times[k][-1], bare if k == dm else None, gamma=cfg.gamma)
+             for k, llm in ours.items() if llm.method is not None}
+    print_table([breakdown_row(k, b) for k, b in steps.items()],
+                "step time, ms per speculative step (bare: what the analytic limit charges; draft model only)")
     hf_assisted = max(tps["hf assisted (default)"], tps[f"hf assisted (γ={cfg.gamma})"])
     hf_lookup = tps[f"hf prompt lookup ({cfg.ngram_gamma})"]
     out = {
@@ -233,6 +245,8 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
         "speedup_draft_model": speedup,
         "decode_speedup_draft_model": decode_speedup,
         "speedup_ngram": timing.speedup(_ours("ngram", c)),
+        "step_breakdown": steps,
+        "accounted_min": min(b["accounted"] for b in steps.values()),
     }
     if c and cfg.batch1_eager:  # the gain of compile=true, and the eager figures beside it
         out["compile_gain_plain"] = tps[_ours("plain", True)] / tps[_ours("plain", False)]
@@ -357,6 +371,7 @@ def main(argv: list[str]) -> None:
         "efficiency_batch1": round(head["efficiency_batch1"], 3),
         "efficiency_batch1_e2e": round(head["efficiency_batch1_e2e"], 3),
         "min_spec_vs_plain": round(min_ratio, 3),
+        "accounted_min": round(head["accounted_min"], 4),
         "outputs_equal": all(r["equal"] for r in results) and sweep_equal,
         "pair": head["pair"],
         "compile": cfg.compile,

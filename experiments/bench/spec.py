@@ -28,6 +28,14 @@ limit of a dynamic tree counts its draft forwards (``tree_depth`` of them: the
 catch-up and one per level below the first) rather than γ; Medusa's heads run
 once per step whatever the tree, and n-gram has no forward.
 
+Step time: a second table splits each run's speculative step into its phases
+(:func:`specdec.measure.step_breakdown`: host packing, the drafter's catch-up
+and other forwards, the target's forward, verification, sync and commit), in
+ms per step beside what the analytic limit charges for each; the JSON gives
+them for γ = 4 (``step_breakdown``), ``accounted_min`` (the smallest share of a
+pass's wall time the phases account for) and ``plain_step_vs_bare`` (plain
+decoding's in-loop step over its bare forward T_target(1)).
+
 Drafters that take a checkpoint get the shipped one for the built-in target
 (``specdec/zoo/code-draft``, ``code-eagle``, ``code-eagle3`` …; a proposer
 without one is skipped, saying so) or, on a random target, a random one.
@@ -36,6 +44,7 @@ without one is skipped, saying so) or, on a random target, a random one.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +58,7 @@ from specdec.core.pipeline_model import RuntimeConfig
 from specdec.engine import EngineConfig
 from specdec.measure import (
     Run,
+    breakdown_row,
     builtin_pair,
     builtin_prompts,
     checkpoint,
@@ -59,6 +69,7 @@ from specdec.measure import (
     load_config,
     outputs_equal,
     print_table,
+    step_breakdown,
     random_head,
     zoo_drafter,
 )
@@ -176,17 +187,21 @@ def main(argv: list[str]) -> None:
     ctx_len = max(len(p) for p in prompts) + cfg.new_tokens // 2
     bare = limit_forward_times({k: llms[k] for k in grid}, ctx_len, rounds=3 if cfg.quick else 5)
 
-    rows = []
+    rows, breakdown = [], {}
     for key, (name, g) in grid.items():
-        counts = llms[key].pipeline.stats().counts  # the last timed pass's
+        stats = llms[key].pipeline.stats()  # the last timed pass's
+        counts = stats.counts
         speedup = timing.speedup(key)
         bt = bare[key]
         base = name[: -len(TREE_SUFFIX)]
+        forwards = g
         if name.endswith(TREE_SUFFIX) and has_field(base, "tree") and base not in cfg.static_trees:
             # a dynamic tree's draft forwards: tree_depth (each top_k wide), not γ
+            forwards = cfg.tree_depth
             limit = dataclasses.replace(bt, t_draft_1=bt.t_draft_1 * cfg.tree_depth / g).limit(counts.tau, g)
         else:
             limit = bt.limit(counts.tau, g)
+        breakdown[key] = step_breakdown(stats, timing.times[key][-1], bt, gamma=g, draft_forwards=forwards)
         rows.append({"proposer": name, "gamma": g, "tau": counts.tau, "alpha": counts.alpha,
                      "accepted_len": counts.accepted_length, "tree_size": counts.tree_size,
                      "tok_s": n_tokens / timing.median(key), "speedup": speedup,
@@ -194,10 +209,16 @@ def main(argv: list[str]) -> None:
                      "T_d(1)_ms": bare[key].t_draft_1 * 1e3, "limit": limit,
                      "efficiency": efficiency(speedup, limit) or 0.0,
                      "equal": outputs_equal([o.token_ids for o in timing.last(key)], plain_ids)})
-    print_table([{"method": "plain", "tok_s": n_tokens / timing.median("plain")}],
+    plain_step_ms = timing.median("plain") * 1e3 / (n_tokens / cfg.batch_size)  # one token per request per step
+    t1_ms = statistics.median(b.t_target_1 for b in bare.values()) * 1e3
+    print_table([{"method": "plain", "tok_s": n_tokens / timing.median("plain"), "step_ms": plain_step_ms,
+                  "bare T_t(1)_ms": t1_ms, "step / bare": plain_step_ms / t1_ms}],
                 f"plain decoding, batch {cfg.batch_size}, {target}")
     print_table(rows, f"speculation, batch {cfg.batch_size}, {len(prompts)} prompts x {cfg.new_tokens} tokens, "
                 f"{cfg.repeats} interleaved passes (tok_s: median; speedup: median of per-pass ratios)")
+    print_table([breakdown_row(k, b) for k, b in breakdown.items()],
+                "step time, ms per speculative step in the loop (bare: what the analytic limit charges), "
+                "last timed pass; accounted = the phases' share of its wall time")
     best = max(rows, key=lambda r: r["speedup"])
     best_by: dict[str, dict[str, Any]] = {}
     for r in rows:
@@ -216,6 +237,10 @@ def main(argv: list[str]) -> None:
                             for r in rows if r["proposer"] == p}
                         for p in dict.fromkeys(r["proposer"] for r in rows if r["proposer"].endswith(TREE_SUFFIX))},
         "tree_vs_chain": tree_vs_chain(rows),
+        "plain_step_vs_bare": round(plain_step_ms / t1_ms, 3),
+        "step_breakdown": {k: {**{f: round(b[f], 3) for f in ("step_ms", "bare_step_ms", "outside_ms", "accounted")},
+                               "phases": b["phases"]} for k, b in breakdown.items() if grid[k][1] == 4},
+        "accounted_min": round(min(b["accounted"] for b in breakdown.values()), 4),
         "outputs_equal": all(r["equal"] for r in rows),
     })
 

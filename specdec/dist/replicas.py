@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from specdec.core.context import RequestFailure, TextContext
-from specdec.spec.metrics import RunStats, SpecCounts
+from specdec.spec.metrics import PHASES, RunStats, SpecCounts
 
 
 @contextmanager
@@ -70,7 +70,9 @@ class Replicas:
             per.update(s.per_request)
         return RunStats(counts=total, per_request=per, target_forwards=sum(s.target_forwards for s in parts),
                         draft_time_s=sum(s.draft_time_s for s in parts),
-                        target_time_s=sum(s.target_time_s for s in parts))
+                        target_time_s=sum(s.target_time_s for s in parts),
+                        phase_s={k: sum(s.phase_s.get(k, 0.0) for s in parts) for k in PHASES},
+                        spec_steps=sum(s.spec_steps for s in parts))
 
     def reset_stats(self) -> None:
         for p in self.pipelines:

@@ -110,6 +110,9 @@ def _total(turns: Sequence[dict[str, Any]]) -> dict[str, Any]:
             e.update(_counts_dict(merge_counts(turns)[0]))
         e["draft_time_s"] = sum(t["draft_time_s"] for t in turns)
         e["target_time_s"] = sum(t["target_time_s"] for t in turns)
+        if all("phase_s" in t for t in turns):
+            e["phase_s"] = {p: sum(t["phase_s"][p] for t in turns) for p in turns[0]["phase_s"]}
+            e["spec_steps"] = sum(t["spec_steps"] for t in turns)
     e["turns"] = list(turns)
     return e
 
@@ -247,6 +250,9 @@ class Runner:
                         e.update(_counts_dict(counts))
                     e["draft_time_s"] = stats.draft_time_s / n
                     e["target_time_s"] = stats.target_time_s / n
+                    # The step-time breakdown (spec/metrics.py PhaseTimes): this request's share.
+                    e["phase_s"] = {p: v / n for p, v in stats.phase_s.items()}
+                    e["spec_steps"] = stats.spec_steps / n
                 turns[name][c.request_id].append(e)
                 outs[name][c.request_id].append(list(c.generated) if c.error is None else [])
 

@@ -193,11 +193,24 @@ def _method_figures(
         "errors": sum(1 for e in mine if e.get("error")),
         "repetition": _repetition_of([e for e in mine if not e.get("error")]),
     }
+    m.update(_step_time(ents))
     if forward_times and m["speedup"] and counts.steps:
         m["analytic_limit"] = ForwardTimes(**forward_times).limit(counts.tau, gamma)
         m["efficiency"] = efficiency(m["speedup"], m["analytic_limit"])
         m["forward_times_s"] = dict(forward_times)
     return m
+
+
+def _step_time(ents: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """``step_time_ms``: ms per speculative step in each phase (spec/metrics.py PhaseTimes),
+    and ``step_time_accounted``: the phases' share of the method's wall time."""
+    ents = [e for e in ents if e.get("phase_s")]
+    steps = sum(e["spec_steps"] for e in ents)
+    if not ents or not steps:
+        return {}
+    phases = {p: 1e3 * sum(e["phase_s"][p] for e in ents) / steps for p in ents[0]["phase_s"]}
+    wall = sum(e["time_share_s"] for e in ents)
+    return {"step_time_ms": phases, "step_time_accounted": sum(phases.values()) * steps / 1e3 / wall if wall else None}
 
 
 def _all_equal(n_equal: int, n_compared: int, n_requests: int) -> bool | None:

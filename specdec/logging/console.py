@@ -47,6 +47,20 @@ SUMMARY_COLUMNS = (
     ("errors", "errors", "d"),
 )
 
+STEP_COLUMNS = (  # the step-time breakdown (spec/metrics.py PhaseTimes), ms per speculative step
+    ("method", "method", ""),
+    ("step", "step ms", ".2f"),
+    ("draft_prepare", "draft prep", ".2f"),
+    ("target_prepare", "target prep", ".2f"),
+    ("draft_catch_up", "catch-up", ".2f"),
+    ("draft_steps", "draft steps", ".2f"),
+    ("target_forward", "target fwd", ".2f"),
+    ("verify", "verify", ".2f"),
+    ("sync_commit", "sync+commit", ".2f"),
+    ("prefill", "prefill", ".2f"),
+    ("accounted", "accounted", ".3f"),
+)
+
 CATEGORY_COLUMNS = (
     ("category", "category", ""),
     ("method", "method", ""),
@@ -66,6 +80,12 @@ def _plain_row(plain: Mapping[str, Any]) -> dict[str, Any]:
             "tau": 1.0, "alpha": None, "outputs_equal": None}
 
 
+def _step_row(name: str, m: Mapping[str, Any]) -> dict[str, Any]:
+    ph = m["step_time_ms"]
+    return {"method": name, **ph, "step": sum(ph.values()), "sync_commit": ph.get("sync", 0.0) + ph.get("commit", 0.0),
+            "accounted": m.get("step_time_accounted")}
+
+
 def summary_table(summary: Mapping[str, Any]) -> str:
     """The run summary: one row for plain decoding and one per method; under it, when the
     prompts come in more than one category, the same figures per category (where a method
@@ -78,6 +98,10 @@ def summary_table(summary: Mapping[str, Any]) -> str:
     for r in rows:
         r["loop_share"] = (r.get("repetition") or {}).get("loop_share")
     table = format_table(rows, SUMMARY_COLUMNS)
+    steps = [_step_row(name, m) for name, m in methods.items() if m.get("step_time_ms")]
+    if steps:
+        table += ("\n\nstep time (ms per speculative step; accounted: the phases' share of the wall time):\n"
+                  + format_table(steps, STEP_COLUMNS))
     cats = plain.get("by_category") or {}
     if len(cats) < 2:
         return table

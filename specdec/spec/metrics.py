@@ -11,6 +11,18 @@
 - per-position acceptance: P(draft token i accepted | tokens < i accepted) =
   accepted_at[i] / reached[i].
 
+Step time (``PhaseTimes``): the host clock of each speculative step, cut into
+consecutive phases: ``draft_prepare`` (the proposer's host packing, n-gram
+lookups), ``target_prepare`` (the target's packing, sampling tensors),
+``draft_catch_up`` (the drafter's first forward: a draft model's over the
+tokens it has not seen, an EAGLE head's over every row the target was fed),
+``draft_steps`` (its other draft forwards, tree expansion, storing drafts),
+``target_forward``, ``verify`` (acceptance, fault checks), ``sync`` (the step's
+one device-to-host copy) and ``commit`` (counts, KV rollback, the proposer's
+bookkeeping); ``prefill`` is a separate target forward over prompt chunks.
+On a GPU the host clock sees launches, not kernels (the device work lands in
+``sync``); on the CPU every phase is its own compute.
+
 Token trees (specdec/spec/tree.py): γ is the tree's *size* (nodes verified
 per request per step; ``tree_size`` = mean nodes per step), τ stays tokens
 per target forward, ``accepted_length`` is the mean accepted path length per
@@ -22,8 +34,31 @@ chain, depth and position coincide.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+PHASES = ("draft_prepare", "target_prepare", "draft_catch_up", "draft_steps", "target_forward", "verify",
+          "sync", "commit", "prefill")
+
+
+class PhaseTimes:
+    """Seconds per phase of the speculative steps (module doc), summed since :meth:`reset`.
+
+    Phases follow one another: ``t = times.lap("verify", t)`` adds the time
+    since ``t`` to ``verify`` and returns now, the start of the next phase.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+
+    def lap(self, phase: str, since: float) -> float:
+        now = time.perf_counter()
+        self.seconds[phase] += now - since
+        return now
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
 
 
 @dataclass
@@ -107,6 +142,8 @@ class RunStats:
     target_forwards: int = 0  # target forward passes (a step is one; a prefill chunk forward too)
     draft_time_s: float = 0.0  # host clock in the drafter (before-verify and after-verify drafting)
     target_time_s: float = 0.0  # host clock in the target forward
+    phase_s: dict[str, float] = field(default_factory=dict)  # PhaseTimes: seconds per step phase, summed
+    spec_steps: int = 0  # speculative steps (pipeline step calls that verified): the phases' step count
 
 
 def _pad(x: list[int], n: int) -> list[int]:

@@ -44,7 +44,7 @@ from specdec.core.state_store import RequestStateStore, StateSpec
 from specdec.sampling import SamplingTensors, finite_rows, probs_from_logits
 from specdec.spec.forward_time import forward_time
 from specdec.spec.gamma import CostCurve, GammaPolicyConfig, choose_gamma
-from specdec.spec.metrics import RunStats, SpecCounts
+from specdec.spec.metrics import PhaseTimes, RunStats, SpecCounts
 from specdec.spec.proposers.base import DraftBatch, Drafter, DraftTree, Proposer, TargetStep
 from specdec.spec.tree import (
     accepted_slot_moves,
@@ -129,8 +129,7 @@ class DraftAndVerify(nn.Module):
         # of its trees (host facts); the store keeps their parents and node counts.
         self.tree_facts = tree_facts
         self.state = state
-        self.draft_time = 0.0  # seconds spent in the drafter (host clock)
-        self.target_time = 0.0
+        self.times = PhaseTimes()  # host clock per step phase (spec/metrics.py); the pipeline laps its own
 
     def _drafts(self, draft: DraftBatch, sampling: SamplingTensors, slots: torch.Tensor | None) -> DraftTree:
         if not self.drafts_after_verify:
@@ -163,7 +162,8 @@ class DraftAndVerify(nn.Module):
         next_gamma: int = 0,  # drafts to leave for the next step (a drafter that drafts after verification)
         draft_host: object = None,  # the proposer's prepare_after packing (TargetStep.host)
     ) -> StepOutput:
-        t0 = time.perf_counter()
+        t = time.perf_counter()
+        times = self.times
         b = num_draft.shape[0]
         tree: DraftTree | None = None
         if draft is not None and draft.gamma > 0:
@@ -185,9 +185,9 @@ class DraftAndVerify(nn.Module):
         if branching:
             assert tree is not None and draft is not None
             nodes = self._place_tree(target_inputs, tree, draft.gamma, draft_index, num_draft)
-        t1 = time.perf_counter()
+        t = self._draft_laps(t)
         target_out = self.target(target_inputs)
-        t2 = time.perf_counter()
+        t = times.lap("target_forward", t)
         logits = target_out.logits.view(b, -1, target_out.logits.shape[-1])  # [B, γ+1, V]
         path = depth = None
         if branching:
@@ -210,7 +210,7 @@ class DraftAndVerify(nn.Module):
             )
         if not branching:
             fault = _fault(logits, draft_probs, acc, num_draft)
-        t3 = time.perf_counter()
+        t = times.lap("verify", t)
         if self.drafts_after_verify and next_gamma > 0:
             assert slots is not None
             aux = target_out.aux_hidden_states
@@ -249,9 +249,18 @@ class DraftAndVerify(nn.Module):
                 self.state.tensors["draft_num_nodes"][slots] = nodes
             if nxt.probs is not None:
                 self.state.tensors["draft_probs"][slots, :next_gamma] = nxt.probs
-        self.draft_time += (t1 - t0) + (time.perf_counter() - t3)
-        self.target_time += t2 - t1
+            self._draft_laps(t)
         return StepOutput(tokens=out, num_accepted=acc, fault=fault, depth=depth)
+
+    def _draft_laps(self, t: float) -> float:
+        """Laps the drafting since ``t``: to its catch-up forward's end (when the drafter
+        marked one), ``draft_catch_up``, the rest ``draft_steps``; returns now."""
+        c = self.drafter.caught_up_at
+        if c is not None and c >= t:
+            self.times.seconds["draft_catch_up"] += c - t
+            t = c
+        self.drafter.caught_up_at = None
+        return self.times.lap("draft_steps", t)
 
     # -- token trees (specdec/spec/tree.py) --------------------------------------------
     @staticmethod
@@ -372,6 +381,7 @@ class SpecDecodePipelineModel:
                                      tree_facts=proposer.tree_facts if proposer.drafts_trees else None)
         self.counts: dict[str, SpecCounts] = {}
         self.num_target_forwards = 0
+        self.num_spec_steps = 0  # _spec_step calls (the step-time breakdown's steps)
         # Drafts waiting in the state store per request (a drafter that drafts
         # after verification): 0 until the request's first step, and again
         # after a preemption (its slot, and so its drafts, were released).
@@ -396,14 +406,17 @@ class SpecDecodePipelineModel:
         total = SpecCounts()
         for c in self.counts.values():
             total.merge(c)
+        ph = dict(self.module.times.seconds)
         return RunStats(counts=total, per_request=dict(self.counts),
                         target_forwards=self.num_target_forwards,
-                        draft_time_s=self.module.draft_time, target_time_s=self.module.target_time)
+                        draft_time_s=ph["draft_catch_up"] + ph["draft_steps"], target_time_s=ph["target_forward"],
+                        phase_s=ph, spec_steps=self.num_spec_steps)
 
     def reset_stats(self) -> None:
         self.counts = {}
         self.num_target_forwards = 0
-        self.module.draft_time = self.module.target_time = 0.0
+        self.num_spec_steps = 0
+        self.module.times.reset()
 
     # -- engine protocol -------------------------------------------------------------
     def unprocessed(self, ctx: TextContext) -> int:
@@ -528,8 +541,10 @@ class SpecDecodePipelineModel:
         return [result[id(c)] for c in batch]
 
     def _prefill_chunks(self, chunks: list[tuple[TextContext, int]]) -> None:
+        t = time.perf_counter()
         self.target.execute(self.target.prepare([c for c, _ in chunks], num_tokens=[n for _, n in chunks]))
         self.num_target_forwards += 1
+        self.module.times.lap("prefill", t)
 
     def _cost_curves(self) -> tuple[CostCurve, CostCurve]:
         """T_target(n tokens) and T_draft(batch) from a short calibration (first use)."""
@@ -563,6 +578,9 @@ class SpecDecodePipelineModel:
                    chunks: list[tuple[TextContext, int]]) -> list[list[int] | RequestFailure]:
         """One draft-and-verify step for ``batch``; runs the prefill ``chunks`` too
         (in the same target forward when nothing is drafted, as plain decoding would)."""
+        times = self.module.times
+        t = time.perf_counter()
+        self.num_spec_steps += 1
         gammas = [self.gamma_for(c) for c in batch]
         if self.config.gamma_policy.adaptive and max(gammas) > 0:
             g = self._policy_gamma(batch, gammas)
@@ -580,6 +598,7 @@ class SpecDecodePipelineModel:
                 # miss): verify only those, not γ placeholder rows.
                 gamma = draft.gamma
                 draft = draft if gamma else None
+        t = times.lap("draft_prepare", t)
         fed, num_tokens = batch, None
         # One forward for all when nothing is drafted, or when the drafter drafts
         # after verification (it catches up on the chunks' rows too): the chunks'
@@ -590,6 +609,7 @@ class SpecDecodePipelineModel:
             lens = lens + [c.processed(self.target.cache_name) + n for c, n in chunks]
         elif chunks:
             self._prefill_chunks(chunks)
+            t = time.perf_counter()
         if gamma and after:
             gammas_fed = gammas + [0] * (len(fed) - len(batch))
             draft = DraftBatch(gamma=gamma, num_draft=torch.tensor(gammas_fed, device=self.device),
@@ -604,13 +624,16 @@ class SpecDecodePipelineModel:
         draft_host = None
         if after and self.proposer.needs_all_rows:
             inputs.all_hidden = True
+            t = times.lap("target_prepare", t)
             draft_host = self.proposer.prepare_after(fed, packed, self.config.num_speculative_tokens)
+            t = times.lap("draft_prepare", t)
         sampling = self._sampling(fed, packed.state_slots)
         positions = None
         if not sampling.all_greedy:
             positions = torch.tensor(lens, dtype=torch.long, device=self.device).unsqueeze(1) + torch.arange(
                 gamma + 1, device=self.device
             )
+        times.lap("target_prepare", t)
         out = self.module(
             target_inputs=inputs,
             draft_index=packed.draft_index,
@@ -629,7 +652,9 @@ class SpecDecodePipelineModel:
         tree = out.depth is not None
         if tree:
             cols.append(out.depth.unsqueeze(1))
+        t = time.perf_counter()
         rows = torch.cat(cols, 1).tolist()
+        t = times.lap("sync", t)
         new: list[list[int] | RequestFailure] = []
         for c, row, n, ln, g in zip(batch, rows, look, lens, gammas):
             depth = row.pop() if tree else None
@@ -657,4 +682,5 @@ class SpecDecodePipelineModel:
                 self.proposer.commit(c, ln + k + 1)
             if after:
                 self._ready[c.request_id] = self.config.num_speculative_tokens
+        times.lap("commit", t)
         return new

@@ -61,7 +61,7 @@ def test_processes_merge_to_the_single_process_outputs(ckpts: dict[str, Path], t
 
 def _records(run_dir: Path) -> dict[str, dict]:
     """results.jsonl without what differs between any two runs (times, timestamps)."""
-    timing = {"time_s", "time_share_s", "tokens_per_s", "draft_time_s", "target_time_s", "completed_at"}
+    timing = {"time_s", "time_share_s", "tokens_per_s", "draft_time_s", "target_time_s", "completed_at", "phase_s"}
 
     def clean(x: object) -> object:
         if isinstance(x, dict):

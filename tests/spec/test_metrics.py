@@ -14,6 +14,7 @@ first wrong one, so every step's outcome can be worked out on paper.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -229,3 +230,79 @@ def test_self_draft_accepts_everything_while_batch_mates_finish(target, generate
         c = llm.pipeline.stats().per_request[rid]
         # 30 tokens, γ = min(5, left): 6+6+6+6+6 -> 5 steps, 25 proposed, all kept.
         assert (c.steps, c.proposed, c.accepted) == (5, 25, 25), (rid, c.summary())
+
+
+# -- the step-time breakdown (PhaseTimes, measure.step_breakdown) ---------------------------------
+
+
+@dataclass(frozen=True)
+class SleepyConfig(ScriptedConfig):
+    """The scripted drafter, whose forward sleeps ``catch_up_s`` (then marks its catch-up) and ``steps_s``."""
+
+    catch_up_s: float = 0.0
+    steps_s: float = 0.0
+
+
+class SleepyDrafter(ScriptedDrafter):
+    def __init__(self, config: SleepyConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.calls = 0
+
+    def forward(self, batch: ScriptedBatch, sampling: SamplingTensors) -> DraftTree:  # type: ignore[override]
+        self.calls += 1
+        time.sleep(self.config.catch_up_s)
+        self.caught_up()
+        time.sleep(self.config.steps_s)
+        return super().forward(batch, sampling)
+
+
+@register_proposer("sleepy_test", SleepyConfig)
+class SleepyProposer(ScriptedProposer):
+    def __init__(self, config: SleepyConfig, deps: ProposerDeps | None = None) -> None:
+        super().__init__(config, deps)
+        self.drafter = SleepyDrafter(config)
+
+
+def test_step_phases_attribute_the_drafters_time_and_cover_the_run(target, generate) -> None:
+    # A drafter that spends 20 ms catching up and 40 ms on its other steps, per call:
+    # the breakdown puts each where it belongs, and the phases cover the run's wall time.
+    p = [3, 14, 15, 9, 2, 6]
+    (g,), _ = generate(target, None, [p], SamplingParams(max_new_tokens=9))
+    cfg = SleepyConfig(num_speculative_tokens=2, script=(("req-0", tuple(g)),), catch_up_s=0.02, steps_s=0.04)
+    t = time.perf_counter()
+    (out,), llm = generate(target, cfg, [p], SamplingParams(max_new_tokens=9))
+    wall = time.perf_counter() - t
+    assert out == g
+    stats = llm.pipeline.stats()
+    calls = llm.pipeline.proposer.drafter.calls
+    ph = stats.phase_s
+    assert stats.spec_steps == stats.counts.steps == 3 and calls == 3  # 3 + 3 + 3 tokens, all drafts right
+    slack = 0.05  # seconds in all: sleeps overshoot, and the phases hold a little host work
+    assert 0.02 * calls <= ph["draft_catch_up"] < 0.02 * calls + slack
+    assert 0.04 * calls <= ph["draft_steps"] < 0.04 * calls + slack
+    assert ph["target_forward"] > 0 and ph["verify"] > 0 and ph["draft_prepare"] > 0
+    assert (stats.draft_time_s, stats.target_time_s) == (ph["draft_catch_up"] + ph["draft_steps"], ph["target_forward"])
+    assert sum(ph.values()) < wall
+    llm.pipeline.reset_stats()
+    assert sum(llm.pipeline.stats().phase_s.values()) == 0 and llm.pipeline.stats().spec_steps == 0
+
+
+def test_step_breakdown_sets_each_phase_beside_its_bare_cost() -> None:
+    from specdec.measure import ForwardTimes, step_breakdown
+    from specdec.spec.metrics import PHASES, RunStats
+
+    ph = dict.fromkeys(PHASES, 0.0) | {"draft_catch_up": 0.004, "draft_steps": 0.012, "target_forward": 0.05,
+                                       "verify": 0.002, "target_prepare": 0.002}
+    stats = RunStats(phase_s=ph, spec_steps=2)  # 70 ms over 2 steps
+    bare = ForwardTimes(t_target_1=0.010, t_target_g1=0.020, t_draft_1=0.001)
+    b = step_breakdown(stats, 0.080, bare, gamma=4)
+    assert b["phases"]["target_forward"] == [25.0, 20.0]  # ms per step: in the loop, bare T_t(γ+1)
+    assert b["phases"]["draft_catch_up"] == [2.0, 1.0]  # the first of γ draft forwards
+    assert b["phases"]["draft_steps"] == [6.0, 3.0]  # the other γ - 1
+    assert b["phases"]["verify"] == [1.0, 0.0]  # host work: the limit charges nothing
+    assert b["bare_step_ms"] == 24.0 and b["step_ms"] == 40.0
+    assert abs(b["accounted"] - 70 / 80) < 1e-12 and abs(b["outside_ms"] - 5.0) < 1e-12
+    # A drafter without a catch-up (Medusa's heads): all γ forwards under draft_steps.
+    no_catch = RunStats(phase_s=ph | {"draft_catch_up": 0.0}, spec_steps=2)
+    assert step_breakdown(no_catch, 0.08, bare, gamma=4)["phases"]["draft_steps"] == [6.0, 4.0]

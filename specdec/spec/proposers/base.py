@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -193,7 +194,16 @@ class TargetStep:
 
 class Drafter(nn.Module):
     """Device half of a proposer: override ``forward`` (drafts before
-    verification) or ``draft_after`` (after), as the proposer declares."""
+    verification) or ``draft_after`` (after), as the proposer declares.
+
+    A drafter whose first forward catches up on tokens (or target rows) calls
+    :meth:`caught_up` when it returns: the step-time breakdown then splits
+    ``draft_catch_up`` from ``draft_steps`` (spec/metrics.py)."""
+
+    caught_up_at: float | None = None  # host clock at the end of this step's catch-up forward
+
+    def caught_up(self) -> None:
+        self.caught_up_at = time.perf_counter()
 
     def forward(self, batch: DraftBatch, sampling: SamplingTensors) -> DraftTree:  # pragma: no cover
         raise NotImplementedError(f"{type(self).__name__} does not draft before verification")

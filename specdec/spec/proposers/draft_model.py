@@ -102,6 +102,7 @@ class DraftModelDrafter(Drafter):
         assert batch.catch_up is not None and batch.catch_up.kv_cache is not None
         kv = batch.catch_up.kv_cache
         logits = self.decoder(batch.catch_up).logits  # [B, V]
+        self.caught_up()
         if batch.tree_slots is not None:
             assert self.tree is not None
             if self.tree.kind == "dynamic":

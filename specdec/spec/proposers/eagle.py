@@ -144,6 +144,7 @@ class EagleDrafter(Drafter):
                         gather_slots=host.gather_slots[:, : host.catch_keys].contiguous(),
                         logit_index=bonus_row, kv_cache=host.kv, capture_layers=(), all_hidden=False)
         h, logits = self.head(catch, self.head.project(step.rows, step.aux_rows))  # [B, H], [B, V]
+        self.caught_up()
         if step.path is not None:  # the accepted path's head KV into place, as the target's
             logit_rows = inp.logit_index.view(b, -1)  # [B, N+1] rows of the verified tree (0: root)
             rel = torch.where(step.path >= 0, step.path - logit_rows[:, :1], -1)
