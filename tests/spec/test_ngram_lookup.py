@@ -124,8 +124,8 @@ def reference_tree(tokens: list[int], k: int, max_n: int, min_n: int, branches: 
             f = followers(tokens, tokens + path, max_n, min_n)
             if not f:
                 break
-            nxt = reference(tokens + path, 1, max_n, min_n)[0]  # the chain rule, on the grown context
-            assert nxt in f
+            top = max(f.count(t) for t in f)  # the chain rule: the most frequent, the most recent among equals
+            nxt = [t for t in f if f.count(t) == top][-1]
             score *= f.count(nxt) / len(f)
             path = path + [nxt]
             cand.append((-score, depth, bi, tuple(path)))
@@ -152,7 +152,7 @@ def test_branches_docstring_examples() -> None:
     assert lookup_tree(t, _Index(), 2, 1, 0, 2) == ([], [])
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True)  # the same examples every run
 @given(
     tokens=st.lists(st.integers(0, 3), min_size=1, max_size=40),
     k=st.integers(0, 8),
