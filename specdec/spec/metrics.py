@@ -19,7 +19,9 @@ tokens it has not seen, an EAGLE head's over every row the target was fed),
 ``draft_steps`` (its other draft forwards, tree expansion, storing drafts),
 ``target_forward``, ``verify`` (acceptance, fault checks), ``sync`` (the step's
 one device-to-host copy) and ``commit`` (counts, KV rollback, the proposer's
-bookkeeping); ``prefill`` is a separate target forward over prompt chunks.
+bookkeeping). A step that carries prompt rows (a request's first step, prefill
+chunks) goes to ``prefill`` whole, so the other phases are those of decode
+steps, comparable with bare one-step forward times.
 On a GPU the host clock sees launches, not kernels (the device work lands in
 ``sync``); on the CPU every phase is its own compute.
 
@@ -47,14 +49,19 @@ class PhaseTimes:
 
     Phases follow one another: ``t = times.lap("verify", t)`` adds the time
     since ``t`` to ``verify`` and returns now, the start of the next phase.
+    While ``prefilling`` (a step with prompt rows) every lap goes to ``prefill``.
     """
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self.prefilling = False
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds["prefill" if self.prefilling else phase] += seconds
 
     def lap(self, phase: str, since: float) -> float:
         now = time.perf_counter()
-        self.seconds[phase] += now - since
+        self.add(phase, now - since)
         return now
 
     def reset(self) -> None:
@@ -143,7 +150,7 @@ class RunStats:
     draft_time_s: float = 0.0  # host clock in the drafter (before-verify and after-verify drafting)
     target_time_s: float = 0.0  # host clock in the target forward
     phase_s: dict[str, float] = field(default_factory=dict)  # PhaseTimes: seconds per step phase, summed
-    spec_steps: int = 0  # speculative steps (pipeline step calls that verified): the phases' step count
+    spec_steps: int = 0  # decode steps (speculative steps without prompt rows): the phases' step count
 
 
 def _pad(x: list[int], n: int) -> list[int]:

@@ -257,7 +257,7 @@ class DraftAndVerify(nn.Module):
         marked one), ``draft_catch_up``, the rest ``draft_steps``; returns now."""
         c = self.drafter.caught_up_at
         if c is not None and c >= t:
-            self.times.seconds["draft_catch_up"] += c - t
+            self.times.add("draft_catch_up", c - t)
             t = c
         self.drafter.caught_up_at = None
         return self.times.lap("draft_steps", t)
@@ -580,7 +580,9 @@ class SpecDecodePipelineModel:
         (in the same target forward when nothing is drafted, as plain decoding would)."""
         times = self.module.times
         t = time.perf_counter()
-        self.num_spec_steps += 1
+        # A step with prompt rows (first steps, chunks) is timed as prefill, whole.
+        times.prefilling = bool(chunks) or any(self.unprocessed(c) > 1 for c in batch)
+        self.num_spec_steps += not times.prefilling
         gammas = [self.gamma_for(c) for c in batch]
         if self.config.gamma_policy.adaptive and max(gammas) > 0:
             g = self._policy_gamma(batch, gammas)
@@ -683,4 +685,5 @@ class SpecDecodePipelineModel:
             if after:
                 self._ready[c.request_id] = self.config.num_speculative_tokens
         times.lap("commit", t)
+        times.prefilling = False
         return new
