@@ -1,6 +1,7 @@
 """Plain (autoregressive) decoding: engine overhead and throughput against transformers.
 
     python experiments/bench/ar.py quick=true
+    python experiments/bench/ar.py quick=true compile=true   # ours through torch.compile
     python experiments/bench/ar.py model=/path/to/hf/checkpoint batch_sizes=[1,8,32]
 
 Figures (last line, JSON):
@@ -19,7 +20,10 @@ Figures (last line, JSON):
   ``forward_vs_bound`` = bare forward / bound (goal <= 2.5). Weights that fit
   in the last-level cache can be read faster than memory bandwidth, so the
   ratio can fall below 1.
-- ``outputs_equal``, ``model`` and the ``machine``.
+- ``outputs_equal``, ``model``, ``compile`` and the ``machine``.
+
+``compile=true`` runs ours with ``runtime.compile`` (the bare forward is then
+the compiled graph's; each shape compiles in an untimed warm-up first).
 """
 
 from __future__ import annotations
@@ -62,9 +66,10 @@ class ArBenchConfig:
     repeats: int = 3
     overhead_steps: int = 100
     threads: int = 2
+    compile: bool = False  # runtime.compile for ours
 
 
-def overhead_ratio(path: Path, steps: int, prompt_len: int) -> tuple[float, float, float, int]:
+def overhead_ratio(path: Path, steps: int, prompt_len: int, compile_: bool = False) -> tuple[float, float, float, int]:
     """(median engine step, median bare forward, ratio) at batch 1, seconds, and the target's weight bytes.
 
     After each decode step (the request at context length L), a bare forward
@@ -73,8 +78,10 @@ def overhead_ratio(path: Path, steps: int, prompt_len: int) -> tuple[float, floa
     """
     max_len = prompt_len + steps + 8
     blocks = 2 * RuntimeConfig(max_batch_size=1, max_seq_len=max_len).blocks()
-    llm = LLM(path, runtime=RuntimeConfig(max_batch_size=1, max_seq_len=max_len, num_blocks=blocks),
+    llm = LLM(path, runtime=RuntimeConfig(max_batch_size=1, max_seq_len=max_len, num_blocks=blocks, compile=compile_),
               engine_config=EngineConfig(max_batch_size=1))
+    if compile_:  # compile the prefill and decode graphs outside the timed steps
+        llm.generate([list(range(1, prompt_len + 1))], SamplingParams(max_new_tokens=4, ignore_eos=True))
     engine = llm.new_engine()
     ctx = engine.add_request(list(range(1, prompt_len + 1)), SamplingParams(max_new_tokens=steps + 2, ignore_eos=True))
     engine.step()  # prefill
@@ -111,17 +118,18 @@ def hf_generate(model: Any, ids: torch.Tensor, new_tokens: int) -> list[list[int
 
 
 def ours_and_hf(
-    path: Path, hf: Any, prompts: list[list[int]], new_tokens: int, repeats: int
+    path: Path, hf: Any, prompts: list[list[int]], new_tokens: int, repeats: int, compile_: bool = False
 ) -> Timing[list[list[int]]]:
     """Our plain decoding and transformers ``generate`` over ``prompts`` in one batch, interleaved (baseline: hf)."""
     b = len(prompts)
-    ours = LLM(path, runtime=RuntimeConfig(max_batch_size=b, max_seq_len=len(prompts[0]) + new_tokens + 8),
+    ours = LLM(path, runtime=RuntimeConfig(max_batch_size=b, max_seq_len=len(prompts[0]) + new_tokens + 8,
+                                           compile=compile_),
                engine_config=EngineConfig(max_batch_size=b))
     sp = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     ids = torch.tensor(prompts)
     runs = {
-        "ours": Run(lambda: [o.token_ids for o in ours.generate(prompts, sp)],
-                    warmup=lambda: ours.generate(prompts[:1], SamplingParams(max_new_tokens=4, ignore_eos=True))),
+        "ours": Run(lambda: [o.token_ids for o in ours.generate(prompts, sp)],  # the warm-up meets every shape kind
+                    warmup=lambda: ours.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))),
         "hf": Run(lambda: hf_generate(hf, ids, new_tokens), warmup=lambda: hf_generate(hf, ids[:1, :8], 4)),
     }
     return interleave(runs, baseline="hf", repeats=repeats)
@@ -134,18 +142,19 @@ def main(argv: list[str]) -> None:
         cfg.repeats, cfg.new_tokens, cfg.overhead_steps = 1, 32, 60
     pair = builtin_pair()
     path = checkpoint(cfg.model, pair and pair[0], layers=6)
-    step, fwd, ratio, nbytes = overhead_ratio(path, cfg.overhead_steps, cfg.prompt_len)
+    step, fwd, ratio, nbytes = overhead_ratio(path, cfg.overhead_steps, cfg.prompt_len, cfg.compile)
     bound = nbytes / read_bandwidth()  # seconds to read every weight once
     print_table([{"engine_step_ms": step * 1e3, "bare_forward_ms": fwd * 1e3, "ratio": ratio,
                   "weight_read_bound_ms": bound * 1e3, "forward_vs_bound": fwd / bound}],
-                f"batch-1 decode step, {path}, {torch.get_num_threads()} threads")
+                f"batch-1 decode step, {path}, {torch.get_num_threads()} threads, "
+                f"{'compiled' if cfg.compile else 'eager'}")
 
     hf = hf_model(path)
     g = torch.Generator().manual_seed(0)
     rows, ratios, equal = [], {}, True
     for b in cfg.batch_sizes:
         prompts = torch.randint(3, hf.config.vocab_size, (b, cfg.prompt_len), generator=g).tolist()
-        timing = ours_and_hf(path, hf, prompts, cfg.new_tokens, cfg.repeats)
+        timing = ours_and_hf(path, hf, prompts, cfg.new_tokens, cfg.repeats, cfg.compile)
         equal &= outputs_equal(timing.last("ours"), timing.last("hf"))
         ratios[str(b)] = timing.speedup("ours")
         tokens = b * cfg.new_tokens
@@ -155,7 +164,8 @@ def main(argv: list[str]) -> None:
                       f"{cfg.repeats} interleaved passes (tok/s: medians; ours_vs_hf: median of per-pass ratios)")
     emit_json({"batch1_overhead_ratio": round(ratio, 4), "ours_vs_hf": {k: round(v, 3) for k, v in ratios.items()},
                "weight_read_bound_ms": round(bound * 1e3, 3), "bare_forward_ms": round(fwd * 1e3, 3),
-               "forward_vs_bound": round(fwd / bound, 3), "outputs_equal": equal, "model": str(path)})
+               "forward_vs_bound": round(fwd / bound, 3), "outputs_equal": equal, "model": str(path),
+               "compile": cfg.compile})
 
 
 if __name__ == "__main__":
