@@ -36,7 +36,7 @@ from specdec.spec.tree import TreeConfig
 
 from eagle_heads import head_for  # tests/spec/eagle_heads.py
 from test_greedy_exactness import HYP, MIN_MARGIN, _rand_prompts, _target, prompts
-from test_sampling_exactness import N, P_FAIL, P_PASS, PROMPT, exact_joint, gof_pvalue
+from test_sampling_exactness import N, P_FAIL, P_PASS, PROMPT, exact_joint, gof_pvalue, plant_uniform_tree_q
 
 DEBUG = False
 STATIC = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
@@ -272,15 +272,7 @@ def test_sampled_eagle3_tree_follows_the_target_distribution(small_target) -> No
 
 def test_the_test_rejects_eagle_tree_verification_with_the_wrong_draft_distribution(small_target,
                                                                                     monkeypatch) -> None:
-    # Planted bug: the top-k nodes verified as if drawn from the uniform distribution.
-    real = spec_pipeline.verify_tree_sampled
-
-    def buggy(**kw: Any) -> Any:
-        b, n = kw["tokens"].shape
-        kw["draft_probs"] = torch.full((b, n, V), 1.0 / V)
-        return real(**kw)
-
-    monkeypatch.setattr(spec_pipeline, "verify_tree_sampled", buggy)
+    plant_uniform_tree_q(monkeypatch)  # the top-k nodes verified as if drawn uniformly
     counts, _ = _sample(small_target, 140_000)
     p = gof_pvalue(counts, exact_joint(small_target.hf, PROMPT, temperature=1.0))
     print(f"chi-square p = {p:.3g}")

@@ -120,6 +120,20 @@ def gof_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(chisquare(f_obs, f_exp).pvalue)
 
 
+def plant_uniform_tree_q(monkeypatch: Any) -> None:
+    """Planted bug for the tree tests' negative controls: a top-k tree's nodes verified
+    as if drawn from the uniform distribution (q = 1/V), not as the point masses they
+    are; nodes are accepted too often and the residual is wrong."""
+    real = spec_pipeline.verify_tree_sampled
+
+    def buggy(**kw: Any) -> Any:
+        b, n = kw["tokens"].shape
+        kw["draft_probs"] = torch.full((b, n, V), 1.0 / V)
+        return real(**kw)
+
+    monkeypatch.setattr(spec_pipeline, "verify_tree_sampled", buggy)
+
+
 def _method(models, name: str, gamma: int = GAMMA) -> Any:
     if name == "plain":
         return None

@@ -36,7 +36,7 @@ from specdec.spec.proposers.ngram import NgramConfig
 from specdec.spec.tree import TreeConfig
 
 from test_greedy_exactness import HYP, MIN_MARGIN, VOCAB, _drafter, _rand_prompts, _target, prompts
-from test_sampling_exactness import N, P_FAIL, P_PASS, PROMPT, TOPK_TOPP, exact_joint, gof_pvalue
+from test_sampling_exactness import N, P_FAIL, P_PASS, PROMPT, TOPK_TOPP, exact_joint, gof_pvalue, plant_uniform_tree_q
 
 
 @st.composite
@@ -308,17 +308,7 @@ def test_sampled_ngram_tree_follows_the_target_distribution(models) -> None:
 
 
 def test_the_test_rejects_tree_verification_with_the_wrong_draft_distribution(models, monkeypatch) -> None:
-    # Planted bug: the top-k tree's nodes are verified as if drawn from the
-    # uniform distribution (q = 1/V), not as the point masses they are:
-    # nodes are accepted too often and the residual is wrong.
-    real = spec_pipeline.verify_tree_sampled
-
-    def buggy(**kw: Any) -> Any:
-        b, n = kw["tokens"].shape
-        kw["draft_probs"] = torch.full((b, n, V), 1.0 / V)
-        return real(**kw)
-
-    monkeypatch.setattr(spec_pipeline, "verify_tree_sampled", buggy)
+    plant_uniform_tree_q(monkeypatch)  # the top-k nodes verified as if drawn uniformly
     target = models["target"]
     probs = exact_joint(target.hf, PROMPT, temperature=1.0)
     counts, _ = sample_joint(target, _tree_method(models, "unrelated", "dynamic"), seed0=110_000, temperature=1.0)
