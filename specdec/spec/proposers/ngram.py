@@ -210,7 +210,6 @@ class NgramProposer(Proposer):
             idx = self._index.setdefault(ctx.request_id, _Index())
             if cfg.branches == 1:
                 props.append(lookup(ctx.tokens, idx, cfg.max_n, cfg.min_n, k) if k else [])
-                parents.append(list(range(-1, len(props[-1]) - 1)))
             else:
                 toks, par = lookup_tree(ctx.tokens, idx, cfg.max_n, cfg.min_n, k, cfg.branches)
                 props.append(toks)
@@ -220,7 +219,7 @@ class NgramProposer(Proposer):
         rows = [p + [0] * (gamma - len(p)) for p in props]
         b = len(batch)
         tree = {}
-        if any(par != list(range(-1, len(par) - 1)) for par in parents):  # some request branched
+        if any(par != list(range(-1, len(par) - 1)) for par in parents):  # some request branched (chains: none)
             depth = [[0] * len(par) for par in parents]
             for par, dep in zip(parents, depth):
                 for i, p in enumerate(par):
