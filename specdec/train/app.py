@@ -182,6 +182,31 @@ def lr_at(step: int, steps: int, lr: float, warmup: int, min_ratio: float) -> fl
 # --------------------------------------------------------------------------------------------
 # the run
 # --------------------------------------------------------------------------------------------
+GENERATED_FILE = "generated.pt"
+
+
+def self_distillation_text(cfg: TrainAppConfig, target_dir: Path, train_ids: torch.Tensor, sep: int,
+                           run_dir: Path, progress: Progress) -> torch.Tensor:
+    """``data.generate``'s documents (:func:`specdec.train.data.generated_documents`), made once
+    per run dir: a resumed run reads them back from ``generated.pt``."""
+    from specdec.train import data as D
+
+    g = cfg.data.generate
+    path = run_dir / GENERATED_FILE
+    key = [g.prompts, g.prompt_len, g.new_tokens, int(train_ids.numel()), int(train_ids.sum())]
+    if path.is_file():
+        saved = torch.load(path)
+        if saved["key"] == key:
+            progress.line(f"self-distillation text: {saved['tokens'].numel():,} tokens from {path}")
+            return saved["tokens"]
+    t0 = time.perf_counter()
+    with progress.phase(f"self-distillation text: {g.prompts} windows x {g.new_tokens} greedy tokens"):
+        tokens = D.generated_documents(target_dir, train_ids, g, sep, threads=cfg.threads)
+    atomic_save({"key": key, "tokens": tokens}, path)
+    progress.line(f"self-distillation text: {tokens.numel():,} tokens in {fmt_duration(time.perf_counter() - t0)}")
+    return tokens
+
+
 def make_recipe(cfg: TrainAppConfig, target: Any, train_stream: torch.Tensor) -> Any:
     if cfg.train.recipe == "draft_model":
         from specdec.train.draft import DraftRecipe
@@ -251,6 +276,10 @@ def train(cfg: TrainAppConfig, run_dir: str | Path) -> dict[str, Any]:
     held_ids = D.encode(tok, split.held_out, sep)
     progress.line(f"corpus: {len(split.train)} train / {len(split.held_out)} held-out files, "
                   f"{train_ids.numel():,} / {held_ids.numel():,} tokens ({fmt_duration(time.perf_counter() - t0)})")
+    generated = None
+    if cfg.data.generate.prompts:
+        generated = self_distillation_text(cfg, target_dir, train_ids, sep, run_dir, progress)
+        train_ids = generated if cfg.data.generate.only else torch.cat([train_ids, generated])
 
     torch.manual_seed(cfg.seed)
     recipe = make_recipe(cfg, target, train_ids)
@@ -408,6 +437,11 @@ def train(cfg: TrainAppConfig, run_dir: str | Path) -> dict[str, Any]:
                    "vocab": target.config.vocab_size},
         "module": {**recipe.info, "params": sum(p.numel() for p in module.parameters())},
         "data": {**split.describe(), "train_tokens": int(train_ids.numel()), "held_out_tokens": int(held_ids.numel()),
+                 "generated": None if generated is None else {
+                     "tokens": int(generated.numel()), "only": cfg.data.generate.only,
+                     "rule": f"{cfg.data.generate.prompts} windows of {cfg.data.generate.prompt_len} train-stream "
+                             f"tokens (starts evenly spaced), each continued greedily by the target for up to "
+                             f"{cfg.data.generate.new_tokens} tokens; separator, window, continuation"},
                  "document_format": f"token {sep} before each document, documents concatenated in order",
                  "windows": {"train_windows": order.num_windows, "seq_len": rc.seq_len,
                              "batches_per_epoch": order.batches_per_epoch,

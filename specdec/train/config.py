@@ -46,6 +46,8 @@ class RecipeConfig:
     fc_bias: bool = True  # eagle: fc has a bias (the published EAGLE-1 default)
     init_from_target: bool = True  # eagle3: lm_head rows and norm from the target's; eagle/eagle3: the layer
     # from the target's last layer (where shapes allow)
+    init_from: Optional[str] = None  # eagle/eagle3: start from this head checkpoint (fine-tuning; its fused
+    # layers and draft vocabulary are kept, train.aux_layers and train.draft_vocab_size must agree or be null)
     # draft_model (distillation)
     layers: int = 2  # the student's depth (width, heads, vocab: the target's)
     init_layers: Optional[list[int]] = None  # teacher layers copied into the student (None: spread evenly)

@@ -32,6 +32,25 @@ from specdec.train import corpus as stdlib_corpus
 
 
 @dataclass
+class GenerateConfig:
+    """``data.generate.*``: self-distillation text, the target's own greedy continuations of
+    train-stream windows, added to the train stream (or, ``only``, in its place). A head
+    then trains on the text it will draft for at run time: the target's outputs."""
+
+    prompts: int = 0  # windows continued (0: none; evenly spaced over the train stream)
+    prompt_len: int = 128  # tokens per prompt window
+    new_tokens: int = 128  # greedy tokens per prompt (fewer where the target emits EOS)
+    batch_size: int = 32  # requests the engine runs at once
+    only: bool = False  # train on the generated documents alone (no corpus text)
+
+    def __post_init__(self) -> None:
+        for key in ("prompts", "prompt_len", "new_tokens", "batch_size"):
+            if getattr(self, key) < (0 if key == "prompts" else 1):
+                raise ValueError(f"data.generate.{key} must be >= {0 if key == 'prompts' else 1}, "
+                                 f"got {getattr(self, key)}")
+
+
+@dataclass
 class DataConfig:
     """``data.*``: the corpus, its split, and where target features come from."""
 
@@ -41,6 +60,7 @@ class DataConfig:
     max_files: int | None = None  # cap on train files (quick runs; held out: max(1, max_files // 10))
     cache_dir: str | None = None  # target features cached here in chunks (None: computed on the fly)
     chunk_windows: int = 64  # windows per shuffling / cache chunk
+    generate: GenerateConfig = field(default_factory=GenerateConfig)  # self-distillation text (off by default)
 
     def __post_init__(self) -> None:
         if self.held_out_modulus < 2:
@@ -119,6 +139,34 @@ def encode(tok: Any, docs: Sequence[tuple[str, str]], separator: int) -> torch.T
         out.append(separator)
         out.extend(enc.ids)
     return torch.tensor(out, dtype=torch.long)
+
+
+def generated_documents(target_dir: str | Path, stream: torch.Tensor, cfg: GenerateConfig, separator: int,
+                        threads: int | None = None) -> torch.Tensor:
+    """Self-distillation text: ``cfg.prompts`` windows of ``stream`` (``cfg.prompt_len`` tokens,
+    starts evenly spaced) continued greedily by the target through the engine (batched, paged
+    KV), as one stream [N]: ``separator``, the window, its continuation, for each in order.
+
+    Deterministic: the windows are fixed by the stream, greedy decoding is exact (the
+    engine's outputs equal the target's dense greedy continuations; tests check it).
+    """
+    from specdec.api import LLM
+    from specdec.core.context import SamplingParams
+
+    n, span = cfg.prompts, cfg.prompt_len
+    if stream.numel() < span:
+        raise ValueError(f"data.generate.prompt_len={span} is longer than the train stream ({stream.numel()} tokens)")
+    starts = torch.linspace(0, stream.numel() - span, n).long().tolist()
+    prompts = [stream[s : s + span].tolist() for s in starts]
+    llm = LLM(target_dir, max_batch_size=cfg.batch_size, max_seq_len=span + cfg.new_tokens,
+              **({"threads": threads} if threads else {}))
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=cfg.new_tokens))
+    docs: list[int] = []
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        if o.error:
+            raise RuntimeError(f"data.generate: prompt {i} (train stream offset {starts[i]}) failed: {o.error}")
+        docs += [separator, *p, *o.token_ids]
+    return torch.tensor(docs, dtype=torch.long)
 
 
 def top_tokens(stream: torch.Tensor, n: int, vocab_size: int) -> tuple[torch.Tensor, float]:

@@ -134,7 +134,9 @@ class HeadRecipe:
             self.info["draft_vocab"] = {"size": n, "rule": f"the {n} most frequent token ids of the train "
                                         "stream (ties: lower id), sorted", "train_token_coverage": round(share, 5)}
         self.info["aux_layers"] = list(self.capture)
-        if rc.init_from_target:
+        if rc.init_from:
+            self._init_from_checkpoint(Path(rc.init_from))
+        elif rc.init_from_target:
             self._init_from_target()
         for p in target.parameters():
             p.requires_grad_(False)
@@ -142,6 +144,27 @@ class HeadRecipe:
     @property
     def module(self) -> nn.Module:
         return self.head
+
+    def _init_from_checkpoint(self, path: Path) -> None:
+        """Starts from a saved head of the same kind and shape (``train.init_from``): fine-tuning."""
+        from specdec.core.checkpoint import load_decoder
+        from specdec.core.registry import Role
+
+        src = load_decoder(path, role=Role.DRAFT_HEAD, dtype=torch.float32).module
+        if type(src) is not type(self.head) or src.config.fused_layers(self.target.config.num_hidden_layers) != \
+                self.head.config.fused_layers(self.target.config.num_hidden_layers):
+            raise ValueError(f"train.init_from={str(path)!r} is a {type(src).__name__} fusing "
+                             f"{getattr(src.config, 'aux_layers', None)}; this run trains a {type(self.head).__name__} "
+                             f"fusing {list(self.capture)} (set train.aux_layers to match, or train.init_from=null)")
+        mine = self.head.state_dict()
+        theirs = src.state_dict()
+        bad = sorted(k for k in theirs if k not in mine or mine[k].shape != theirs[k].shape)
+        if bad:
+            raise ValueError(f"train.init_from={str(path)!r}: tensors that do not fit this head: {', '.join(bad[:5])}"
+                             + (" (train.draft_vocab_size?)" if any("lm_head" in k or "d2t" in k for k in bad) else ""))
+        with torch.no_grad():
+            self.head.load_state_dict(theirs, strict=False)
+        self.info["init"] = [f"every tensor of {path} (fine-tuning)"]
 
     def _init_from_target(self) -> None:
         """Starts the head's layer from the target's last layer (and EAGLE-3's norm and lm_head

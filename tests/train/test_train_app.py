@@ -287,3 +287,53 @@ def test_curves_go_to_wandb_and_a_failing_wandb_does_not_stop_training(
     (art,) = [a for k, a in calls if k == "artifact"]
     assert {"config.json", "model.safetensors", "manifest.json"} <= set(art.files)
     assert calls[-1] == ("finish", None)
+
+
+def test_self_distillation_text_is_the_targets_greedy_output_and_a_head_fine_tunes_from_it(
+        tiny: dict[str, Path], tmp_path: Path) -> None:
+    """``data.generate``: train-stream windows continued by the engine equal the target's dense
+    greedy continuations; the run trains on them alone (``only``) and a resumed run reads them
+    back. ``train.init_from`` then starts a second run from the first's head: its step-0 figures
+    are the first head's, and a head of another shape is refused naming the key."""
+    from specdec.core.checkpoint import load_decoder, load_tokenizer
+    from specdec.train import data as D
+
+    gen = ["data.generate.prompts=3", "data.generate.prompt_len=12", "data.generate.new_tokens=10",
+           "data.generate.batch_size=2", "data.generate.only=true"]
+    first = tmp_path / "first"
+    m = run(overrides(tiny, "eagle3", first, "train.steps=4", *gen))
+    saved = torch.load(first / "generated.pt")
+    docs = saved["tokens"]
+    assert m["data"]["generated"]["tokens"] == docs.numel() and m["data"]["train_tokens"] == docs.numel()
+    # the documents: separator, window, greedy continuation (dense re-forward, no cache)
+    target = load_decoder(tiny["target"]).module.eval()
+    tok = load_tokenizer(tiny["target"], vocab_size=target.config.vocab_size)
+    sep = D.document_separator(tok, target.config.bos_token_id, target.config.eos_token_id)
+    split = D.load_corpus(D.DataConfig(corpus=str(tiny["corpus"]), held_out_modulus=3))
+    stream = D.encode(tok, split.train, sep)
+    starts = torch.linspace(0, stream.numel() - 12, 3).long().tolist()
+    expected = []
+    for s in starts:  # the engine stops after an EOS (kept), the dense reference runs on
+        window = stream[s : s + 12]
+        dense = D.greedy_continue(target, window[None], 10)[0, 12:].tolist()
+        cut = next((i + 1 for i, t in enumerate(dense) if t in target.config.eos_token_id), len(dense))
+        expected += [sep, *window.tolist(), *dense[:cut]]
+    assert docs.tolist() == expected
+    # an interrupted run resumes on the saved documents (the file is read back, not regenerated)
+    part = tmp_path / "part"
+    from specdec.train.app import Stopped
+
+    with pytest.raises(Stopped):
+        run(overrides(tiny, "eagle3", part, "train.steps=4", "stop_after=2", *gen))
+    torch.save({**torch.load(part / "generated.pt"), "probe": True}, part / "generated.pt")
+    resumed = run(overrides(tiny, "eagle3", part, "train.steps=4", "resume=true", *gen))
+    assert torch.load(part / "generated.pt").get("probe") and resumed["losses"]["eval"] == m["losses"]["eval"]
+    # fine-tuning from the first head
+    second = run(overrides(tiny, "eagle3", tmp_path / "second", "train.steps=2",
+                           f"train.init_from={first / 'out'}"))
+    start = second["losses"]["eval"][0]
+    assert start["step"] == 0 and start["tau"] == m["heldout"]["shipped"]["tau"]
+    assert start["heldout_loss"] == pytest.approx(m["heldout"]["shipped"]["loss"], abs=1e-4)
+    with pytest.raises(ValueError, match="train.init_from"):
+        run(overrides(tiny, "eagle3", tmp_path / "third", "train.aux_layers=[0,1,3]",
+                      f"train.init_from={first / 'out'}"))
