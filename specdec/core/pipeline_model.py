@@ -316,14 +316,21 @@ def compile_decoder(module: nn.Module) -> None:
     """``torch.compile`` in place, shapes dynamic (one graph serves every batch
     and context length; sizes 0/1 get their own). Weights and ``state_dict``
     are untouched. On CPU the gain comes from fusing the many small ops of a
-    small model; the first call of each shape kind pays the compile."""
+    small model; the first call of each shape kind pays the compile.
+
+    On CPU the graph runs through Inductor's C++ wrapper (``cpp_wrapper``):
+    the generated code that calls each fused kernel and matmul is C++, not
+    Python. A small model's compiled forward is mostly those calls; on the
+    built-in target the bare one-token forward took 2.15 ms instead of 2.63
+    (5 tokens: 3.07 instead of 3.74) for about 1.7x the compile time."""
     import torch._dynamo
 
     # Every decoder of a class shares one code object, so dynamo's per-code
     # cache holds the graphs of target and draft, each shape kind: raise its
     # limit (default 8) or later shapes silently fall back to eager.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    module.compile(dynamic=True)
+    on_cpu = all(p.device.type == "cpu" for p in module.parameters())
+    module.compile(dynamic=True, options={"cpp_wrapper": True} if on_cpu else None)
 
 
 class GenerationPipeline(Protocol):

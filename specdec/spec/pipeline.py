@@ -386,10 +386,12 @@ class SpecDecodePipelineModel:
         # after verification): 0 until the request's first step, and again
         # after a preemption (its slot, and so its drafts, were released).
         self._ready: dict[str, int] = {}
-        # Adaptive γ's running acceptance, per live request: [accepted, Σ step γ].
+        # Adaptive γ's running acceptance, per live request: [accepted, drafts tried]
+        # (spec/gamma.py: a step that accepts k of γ tried k + 1, or k if k = γ).
         # Not self.counts (the run's figures, kept after a request ends): a
         # later request may reuse the id.
         self._running: dict[str, list[int]] = {}
+        self._drafter_running = [0, 0]  # the same over every request so far (adaptive γ's prior)
         self._curves: tuple[CostCurve, CostCurve] | None = None
         self._greedy: dict[int, SamplingTensors] = {}  # all-greedy sampling tensors per batch size
         if config.gamma_policy.adaptive:  # calibrate now, while the KV cache is empty
@@ -566,13 +568,10 @@ class SpecDecodePipelineModel:
 
     def _policy_gamma(self, batch: list[TextContext], gammas: list[int]) -> int:
         pol = self.config.gamma_policy
-        w, prior = pol.prior_weight, pol.prior_accept
-        accept = []
-        for c in batch:
-            acc, offered = self._running.get(c.request_id, (0, 0))
-            accept.append((acc + prior * w) / (offered + w))
+        seen = tuple(self._drafter_running)
+        accept = [pol.acceptance(tuple(self._running.get(c.request_id, (0, 0))), seen) for c in batch]
         tt, td = self._cost_curves()
-        return choose_gamma(accept, max(gammas), tt, td, pol.min_gain)
+        return pol.explore(choose_gamma(accept, max(gammas), tt, td, pol.min_gain), max(gammas), seen[1])
 
     def _spec_step(self, batch: list[TextContext],
                    chunks: list[tuple[TextContext, int]]) -> list[list[int] | RequestFailure]:
@@ -674,8 +673,11 @@ class SpecDecodePipelineModel:
                 running = self._running.get(c.request_id)
                 if running is None:
                     running = self._running[c.request_id] = [0, 0]
+                tried = k + (k < g)  # drafts up to the first rejected (or missing) one
                 running[0] += k
-                running[1] += g
+                running[1] += tried
+                self._drafter_running[0] += k
+                self._drafter_running[1] += tried
             # Target keeps the committed tokens but the last (it is fed next step):
             # it was fed through ln + n, so only rejected drafts (n > k) roll back.
             if n > k:

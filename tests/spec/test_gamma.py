@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
 
 from specdec.api import LLM
@@ -60,21 +63,69 @@ def test_adaptive_gamma_is_exact(tiny_llama, method: str) -> None:
     assert llm.pipeline._curves is not None  # calibrated at build time
 
 
-def test_adaptive_gamma_starts_fresh_for_each_request(tiny_llama) -> None:
-    """A second generate() reuses request ids ("req-0" …); the adaptive policy
-    must not carry the first call's acceptance into it."""
+def _call(llm: LLM, prompts: list[list[int]], ids: list[str], sp: SamplingParams) -> int:
+    """One batch with these request ids; returns the drafts it proposed."""
+    before = llm.pipeline.stats().counts
+    engine = llm.new_engine()
+    for p, rid in zip(prompts, ids):
+        llm._add(engine, p, sp, rid)
+    engine.run()
+    after = llm.pipeline.stats().counts
+    return after.proposed - before.proposed
+
+
+def _adaptive(tiny_llama, **policy) -> LLM:
+    from specdec.spec.gamma import GammaPolicyConfig
+
     target = tiny_llama(seed=0)
     draft = tiny_llama(seed=0, perturb=0.01, perturb_seed=1)  # a good drafter
     cfg = DraftModelConfig(path=str(draft.path), num_speculative_tokens=4, adaptive_gamma=True)
     llm = LLM(target.path, method=cfg, runtime=RuntimeConfig(max_batch_size=2, max_seq_len=96))
+    llm.pipeline.config = dataclasses.replace(llm.pipeline.config, gamma_policy=GammaPolicyConfig(adaptive=True, **policy))
     # Flat target, drafts at 0.3 a token: the prior's 0.6 acceptance picks γ = 1,
-    # a learned high acceptance picks more. The γ sequence then shows what was carried over.
+    # a learned high acceptance picks more.
     llm.pipeline._curves = (CostCurve(lambda n: 1.0, [1, 64]), CostCurve(lambda b: 0.3, [1, 2]))
+    return llm
+
+
+def test_adaptive_gamma_carries_no_request_state_over_reused_ids(tiny_llama) -> None:
+    """generate() reuses request ids ("req-0" …). What one request learnt must not pass to a
+    later one with its id: a second call with the same ids proposes exactly what it would with
+    fresh ids (the drafter-wide estimate, which every later request starts from, is the same)."""
     prompts, sp = [[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=24, ignore_eos=True)
-    proposed = []
-    for _ in range(2):  # the run's counters accumulate: take each call's share
-        before = llm.pipeline.stats().counts.proposed
-        llm.generate(prompts, sp)
-        proposed.append(llm.pipeline.stats().counts.proposed - before)
-    assert proposed[0] > 0
-    assert proposed[1] == proposed[0]
+    second = {}
+    for ids in (["r0", "r1"], ["s0", "s1"]):
+        llm = _adaptive(tiny_llama)
+        assert _call(llm, prompts, ["r0", "r1"], sp) > 0
+        second[ids[0]] = _call(llm, prompts, ids, sp)
+    assert second["r0"] == second["s0"] > 0
+
+
+def test_adaptive_gamma_learns_the_drafter_before_it_turns_speculation_off(tiny_llama) -> None:
+    """A prior far too low for the drafter predicts no gain. Without exploration the pipeline
+    then never drafts and never learns (the trap); with it, the first steps draft, the
+    drafter-wide acceptance is learnt, and later requests speculate from the start."""
+    prompts, sp = [[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=24, ignore_eos=True)
+    trapped = _adaptive(tiny_llama, prior_accept=0.05, explore_tokens=0)
+    assert _call(trapped, prompts, ["a", "b"], sp) == 0
+    assert _call(trapped, prompts, ["c", "d"], sp) == 0
+    learns = _adaptive(tiny_llama, prior_accept=0.05, explore_tokens=8)
+    first = _call(learns, prompts, ["a", "b"], sp)
+    assert first > 8  # explored, then kept drafting on what it learnt
+    acc, tried = learns.pipeline._drafter_running
+    assert tried >= 8 and acc / tried > 0.6
+    # A new request starts from the learnt estimate: its first step drafts (the trapped
+    # pipeline's would not).
+    fresh = [SimpleNamespace(request_id="new")]
+    assert learns.pipeline._policy_gamma(fresh, [4]) > 0 and trapped.pipeline._policy_gamma(fresh, [4]) == 0
+
+
+def test_exploration_stops_where_speculation_cannot_pay(tiny_llama) -> None:
+    """Verifying costs as much per token as decoding (a compute-bound target): however good
+    the drafter, plain decoding wins, so after its exploration the pipeline drafts no more."""
+    llm = _adaptive(tiny_llama, explore_tokens=8)
+    llm.pipeline._curves = (CostCurve(lambda n: float(n), [1, 64]), CostCurve(lambda b: 0.3, [1, 2]))
+    prompts, sp = [[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=24, ignore_eos=True)
+    assert _call(llm, prompts, ["a", "b"], sp) > 0  # exploring steps only: ...
+    assert llm.pipeline._drafter_running[1] < 8 + 2 * 4  # ... it stopped once 8 drafts were tried
+    assert _call(llm, prompts, ["c", "d"], sp) == 0
