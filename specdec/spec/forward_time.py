@@ -2,7 +2,9 @@
 
 ``forward_time(pm, n, ctx_len)`` times one module call that feeds ``n`` new
 tokens to a single request whose cache already holds ``ctx_len - n`` tokens:
-``T(1)`` is a decode step, ``T(γ+1)`` a verification step.
+``T(1)`` is a decode step, ``T(γ+1)`` a verification step. ``requests=B``
+feeds ``B`` such requests at once (a batched decode or verification step:
+``B`` contexts read, not one).
 """
 
 from __future__ import annotations
@@ -18,21 +20,24 @@ from specdec.core.pipeline_model import DecoderPipelineModel
 
 
 @torch.inference_mode()
-def forward_time(pm: DecoderPipelineModel, n: int, ctx_len: int, *, repeats: int = 30, stat: str = "median") -> float:
-    """Seconds of one bare forward of ``n`` tokens at context ``ctx_len``.
+def forward_time(pm: DecoderPipelineModel, n: int, ctx_len: int, *, repeats: int = 30, stat: str = "median",
+                 requests: int = 1) -> float:
+    """Seconds of one bare forward of ``n`` tokens for each of ``requests`` requests at context ``ctx_len``.
 
     ``stat="median"`` for reporting; ``"min"`` for a cost model that must
     shrug off a busy machine (the least time is the intrinsic cost).
     """
     ctx_len = max(ctx_len, n)
-    ctx = TextContext(request_id="__timing__", tokens=[1] * ctx_len, prompt_len=ctx_len, sampling=SamplingParams())
-    table = ctx.kv.setdefault(pm.cache_name, BlockTable())
     cache = pm.caches[0]
+    ctxs = [TextContext(request_id=f"__timing_{i}__", tokens=[1] * ctx_len, prompt_len=ctx_len,
+                        sampling=SamplingParams()) for i in range(requests)]
+    tables = [c.kv.setdefault(pm.cache_name, BlockTable()) for c in ctxs]
     try:
-        cache.reserve(table, ctx_len)
-        table.num_tokens = ctx_len - n
+        for table in tables:
+            cache.reserve(table, ctx_len)
+            table.num_tokens = ctx_len - n
         # A bare forward reads no per-request state: no state slots.
-        inputs = pm.processor.prepare_initial_token_inputs([[ctx]], return_n_logits=n, with_state=False).inputs
+        inputs = pm.processor.prepare_initial_token_inputs([ctxs], return_n_logits=n, with_state=False).inputs
         inputs.kv_cache = cache.tensors
         module = pm.module
         dev = cache.tensors.k.device
@@ -48,4 +53,5 @@ def forward_time(pm: DecoderPipelineModel, n: int, ctx_len: int, *, repeats: int
             times.append(time.perf_counter() - t)
         return min(times) if stat == "min" else statistics.median(times)
     finally:
-        cache.free(table)
+        for table in tables:
+            cache.free(table)

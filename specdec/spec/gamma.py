@@ -4,9 +4,13 @@
 expected tokens per second for the batch at hand:
 
     E[tokens](γ) = Σ_r (1 - a_r^(γ+1)) / (1 - a_r)      # a_r: request r's running acceptance
-    cost(γ)      = T_target(B · (γ+1)) + γ · T_draft(B)  # measured bare forward times
+    cost(γ)      = T_target(B, γ+1) + γ · T_draft(B)    # measured bare forward times
 
-γ = 0 is plain decoding (B tokens for T_target(B)), so speculation is turned
+``T_target(B, n)`` is a forward of ``B`` requests feeding ``n`` tokens each and
+``T_draft(B)`` one drafting forward of ``B`` requests, both timed as they run:
+``B`` contexts read, not one request of ``B · n`` tokens (which underrated a
+batch-64 step enough that speculation switched on there and lost 9%).
+γ = 0 is plain decoding (B tokens for T_target(B, 1)), so speculation is turned
 off where it cannot pay: large batches (the target is compute-bound and
 verifying γ+1 tokens per request costs nearly γ+1 times more) or low
 acceptance. ``a_r`` is the request's acceptance per draft so far, accepted /
@@ -92,6 +96,27 @@ class CostCurve:
         return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
 
 
+class TargetCost:
+    """``T_target(B, n)``: seconds of one target forward of ``B`` requests feeding ``n`` tokens
+    each, from two measured curves over ``B`` (``n = 1`` and ``n = max_n``), linear in ``n``
+    between them."""
+
+    def __init__(self, one: CostCurve, most: CostCurve, max_n: int) -> None:
+        self.one, self.most, self.max_n = one, most, max_n
+
+    @classmethod
+    def measure(cls, measure: Callable[[int, int], float], batch_points: Sequence[int], max_n: int) -> TargetCost:
+        """``measure(B, n)`` at every batch point, for ``n = 1`` and ``n = max_n``."""
+        one = CostCurve(lambda b: measure(b, 1), batch_points)
+        return cls(one, CostCurve(lambda b: measure(b, max_n), batch_points) if max_n > 1 else one, max_n)
+
+    def __call__(self, b: int, n: int) -> float:
+        lo, hi = self.one(b), max(self.one(b), self.most(b))
+        if self.max_n <= 1:
+            return lo
+        return lo + (hi - lo) * (n - 1) / (self.max_n - 1)
+
+
 def expected_tokens(accept: Sequence[float], gamma: int) -> float:
     """Σ_r E[tokens emitted by request r in one step] with γ drafts (accepted + 1)."""
     total = 0.0
@@ -104,17 +129,18 @@ def expected_tokens(accept: Sequence[float], gamma: int) -> float:
 def choose_gamma(
     accept: Sequence[float],
     max_gamma: int,
-    t_target: Callable[[int], float],
+    t_target: Callable[[int, int], float],
     t_draft: Callable[[int], float],
     min_gain: float = 0.0,
 ) -> int:
     """The γ in 0 … ``max_gamma`` with the most expected tokens per second;
-    0 (plain decoding) unless the best γ beats it by ``min_gain``."""
+    0 (plain decoding) unless the best γ beats it by ``min_gain``.
+    ``t_target(B, n)``: a forward of B requests of n tokens each."""
     b = len(accept)
-    plain = b / t_target(b)
+    plain = b / t_target(b, 1)
     best, best_rate = 0, plain
     for g in range(1, max_gamma + 1):
-        rate = expected_tokens(accept, g) / (t_target(b * (g + 1)) + g * t_draft(b))
+        rate = expected_tokens(accept, g) / (t_target(b, g + 1) + g * t_draft(b))
         if rate > best_rate:
             best, best_rate = g, rate
     return best if best_rate >= plain * (1 + min_gain) else 0

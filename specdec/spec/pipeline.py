@@ -43,7 +43,7 @@ from specdec.core.pipeline_model import DecoderPipelineModel, non_finite
 from specdec.core.state_store import RequestStateStore, StateSpec
 from specdec.sampling import SamplingTensors, finite_rows, probs_from_logits
 from specdec.spec.forward_time import forward_time
-from specdec.spec.gamma import CostCurve, GammaPolicyConfig, choose_gamma
+from specdec.spec.gamma import CostCurve, GammaPolicyConfig, TargetCost, choose_gamma
 from specdec.spec.metrics import PhaseTimes, RunStats, SpecCounts
 from specdec.spec.proposers.base import DraftBatch, Drafter, DraftTree, Proposer, TargetStep
 from specdec.spec.tree import (
@@ -392,7 +392,7 @@ class SpecDecodePipelineModel:
         # later request may reuse the id.
         self._running: dict[str, list[int]] = {}
         self._drafter_running = [0, 0]  # the same over every request so far (adaptive γ's prior)
-        self._curves: tuple[CostCurve, CostCurve] | None = None
+        self._curves: tuple[TargetCost, CostCurve] | None = None
         self._greedy: dict[int, SamplingTensors] = {}  # all-greedy sampling tensors per batch size
         if config.gamma_policy.adaptive:  # calibrate now, while the KV cache is empty
             self._cost_curves()
@@ -548,21 +548,22 @@ class SpecDecodePipelineModel:
         self.num_target_forwards += 1
         self.module.times.lap("prefill", t)
 
-    def _cost_curves(self) -> tuple[CostCurve, CostCurve]:
-        """T_target(n tokens) and T_draft(batch) from a short calibration (first use)."""
+    def _cost_curves(self) -> tuple[TargetCost, CostCurve]:
+        """T_target(B requests, n tokens each) and T_draft(B) from a short calibration (first use)."""
         if self._curves is None:
             rt = self.target.runtime
-            cap = min(rt.max_seq_len - 1, rt.max_batch_size * (self.config.num_speculative_tokens + 1))
-            pts = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= max(cap, 1)]
+            g = self.config.num_speculative_tokens
+            bpts = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < rt.max_batch_size] + [rt.max_batch_size]
             ctx = min(128, rt.max_seq_len - 1)
-            tt = CostCurve(lambda n: forward_time(self.target, n, max(ctx, n), repeats=7, stat="min"), pts)
-            bpts = [b for b in pts if b <= rt.max_batch_size]
+            tt = TargetCost.measure(lambda b, n: forward_time(self.target, n, max(ctx, n), repeats=7, stat="min",
+                                                              requests=b), bpts, g + 1)
             td = CostCurve(lambda b: self.proposer.draft_cost(b, ctx), bpts)
             # Under torchrun every rank must pick the same γ (tensor-parallel ranks run
             # each step's forwards together): all take rank 0's measured curves.
             from specdec.dist.group import current
 
-            tt.times, td.times = current().broadcast_object((tt.times, td.times))
+            tt.one.times, tt.most.times, td.times = current().broadcast_object(
+                (tt.one.times, tt.most.times, td.times))
             self._curves = (tt, td)
         return self._curves
 

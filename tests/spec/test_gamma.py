@@ -10,7 +10,7 @@ import pytest
 from specdec.api import LLM
 from specdec.core.context import SamplingParams
 from specdec.core.pipeline_model import RuntimeConfig
-from specdec.spec.gamma import CostCurve, choose_gamma, expected_tokens
+from specdec.spec.gamma import CostCurve, TargetCost, choose_gamma, expected_tokens
 from specdec.spec.proposers.draft_model import DraftModelConfig
 from specdec.spec.proposers.ngram import NgramConfig
 
@@ -31,9 +31,23 @@ def test_cost_curve_interpolates_and_is_monotone() -> None:
     assert c(16) == pytest.approx(2.5)  # flat last segment extrapolated
 
 
+def test_target_cost_is_measured_per_batch_and_linear_in_tokens_per_request() -> None:
+    seen = []
+
+    def measure(b: int, n: int) -> float:
+        seen.append((b, n))
+        return b * (1.0 + 0.5 * (n - 1))  # B requests of n tokens
+
+    t = TargetCost.measure(measure, [1, 4], 5)
+    assert sorted(seen) == [(1, 1), (1, 5), (4, 1), (4, 5)]
+    assert t(1, 1) == 1.0 and t(4, 5) == 12.0
+    assert t(4, 3) == pytest.approx(8.0)  # halfway between n = 1 (4.0) and n = 5 (12.0)
+    assert t(2, 1) == pytest.approx(2.0)  # interpolated over B
+
+
 def test_choose_gamma() -> None:
-    flat = lambda n: 1.0  # noqa: E731  memory-bound target: extra tokens are free
-    linear = lambda n: float(n)  # noqa: E731  compute-bound target: cost grows with tokens
+    flat = lambda b, n: 1.0  # noqa: E731  memory-bound target: extra tokens are free
+    linear = lambda b, n: float(b * n)  # noqa: E731  compute-bound target: cost grows with tokens
     free = lambda b: 0.0  # noqa: E731  model-free drafter
     # Free drafts, free verification, good acceptance: draft all the way.
     assert choose_gamma([0.8], 4, flat, free) == 4
@@ -84,7 +98,7 @@ def _adaptive(tiny_llama, **policy) -> LLM:
     llm.pipeline.config = dataclasses.replace(llm.pipeline.config, gamma_policy=GammaPolicyConfig(adaptive=True, **policy))
     # Flat target, drafts at 0.3 a token: the prior's 0.6 acceptance picks γ = 1,
     # a learned high acceptance picks more.
-    llm.pipeline._curves = (CostCurve(lambda n: 1.0, [1, 64]), CostCurve(lambda b: 0.3, [1, 2]))
+    llm.pipeline._curves = (TargetCost.measure(lambda b, n: 1.0, [1, 2], 5), CostCurve(lambda b: 0.3, [1, 2]))
     return llm
 
 
@@ -124,7 +138,8 @@ def test_exploration_stops_where_speculation_cannot_pay(tiny_llama) -> None:
     """Verifying costs as much per token as decoding (a compute-bound target): however good
     the drafter, plain decoding wins, so after its exploration the pipeline drafts no more."""
     llm = _adaptive(tiny_llama, explore_tokens=8)
-    llm.pipeline._curves = (CostCurve(lambda n: float(n), [1, 64]), CostCurve(lambda b: 0.3, [1, 2]))
+    llm.pipeline._curves = (TargetCost.measure(lambda b, n: float(b * n), [1, 2], 5),
+                            CostCurve(lambda b: 0.3, [1, 2]))
     prompts, sp = [[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=24, ignore_eos=True)
     assert _call(llm, prompts, ["a", "b"], sp) > 0  # exploring steps only: ...
     assert llm.pipeline._drafter_running[1] < 8 + 2 * 4  # ... it stopped once 8 drafts were tried

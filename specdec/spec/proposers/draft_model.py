@@ -314,7 +314,7 @@ class DraftModelProposer(Proposer):
         ), self.pipeline.device)
 
     def draft_cost(self, batch_size: int, context_len: int) -> float:
-        return forward_time(self.pipeline, batch_size, max(context_len, batch_size), repeats=7, stat="min")
+        return forward_time(self.pipeline, 1, context_len, repeats=7, stat="min", requests=batch_size)
 
     @property
     def draft_model(self) -> DecoderPipelineModel:

@@ -393,21 +393,24 @@ class EagleProposer(Proposer):
 
     # -- cost ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def draft_forward_time(self, ctx_len: int, repeats: int = 10) -> float:
-        """A bare one-token draft step of the head at context ``ctx_len`` (median)."""
-        table = BlockTable()
-        self.cache.reserve(table, ctx_len)
+    def draft_forward_time(self, ctx_len: int, repeats: int = 10, *, requests: int = 1,
+                           stat: str = "median") -> float:
+        """A bare one-token draft step of the head for ``requests`` requests at context ``ctx_len``."""
+        tables = [BlockTable() for _ in range(requests)]
         try:
+            for table in tables:
+                self.cache.reserve(table, ctx_len)
             bs = self.cache.block_size
             p = torch.arange(ctx_len)
-            blocks = torch.tensor(table.blocks)
-            gather = (blocks[p // bs] * bs + p % bs).unsqueeze(0).to(self.device)  # [1, S]
-            pos = torch.tensor([ctx_len - 1], device=self.device)
-            one = torch.zeros(1, dtype=torch.long, device=self.device)
-            inp = DecoderInputs(tokens=one, positions=pos, slot_mapping=gather[:, -1], gather_slots=gather,
-                                q_index=one.unsqueeze(1), q_pos=pos.unsqueeze(1), out_index=one, logit_index=one,
-                                kv_cache=self.cache.tensors, single_request=True, mask=MaskKind.EXPLICIT)
-            feat = torch.zeros(1, self.head.config.hidden_size, device=self.device,
+            gather = torch.stack([torch.tensor(t.blocks)[p // bs] * bs + p % bs for t in tables]).to(self.device)  # [B, S]
+            b = requests
+            rows = torch.arange(b, device=self.device)
+            pos = torch.full((b,), ctx_len - 1, device=self.device)
+            inp = DecoderInputs(tokens=torch.zeros(b, dtype=torch.long, device=self.device), positions=pos,
+                                slot_mapping=gather[:, -1], gather_slots=gather, q_index=rows.unsqueeze(1),
+                                q_pos=pos.unsqueeze(1), out_index=rows, logit_index=rows, kv_cache=self.cache.tensors,
+                                single_request=b == 1, mask=MaskKind.EXPLICIT)
+            feat = torch.zeros(b, self.head.config.hidden_size, device=self.device,
                                dtype=next(self.head.parameters()).dtype)
             for _ in range(3):
                 self.head(inp, feat)
@@ -416,12 +419,13 @@ class EagleProposer(Proposer):
                 t = time.perf_counter()
                 self.head(inp, feat)
                 times.append(time.perf_counter() - t)
-            return statistics.median(times)
+            return min(times) if stat == "min" else statistics.median(times)
         finally:
-            self.cache.free(table)
+            for table in tables:
+                self.cache.free(table)
 
     def draft_cost(self, batch_size: int, context_len: int) -> float:
-        return self.draft_forward_time(max(context_len, 1), repeats=7)
+        return self.draft_forward_time(max(context_len, 1), repeats=7, requests=max(batch_size, 1), stat="min")
 
 
 @register_proposer("eagle3", Eagle3Config)
