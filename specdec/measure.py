@@ -53,6 +53,7 @@ from specdec.spec.proposers.base import Proposer
 
 if TYPE_CHECKING:
     from specdec.api import LLM
+    from specdec.engine import GenerationOutput
 
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
@@ -109,6 +110,20 @@ class Timing(Generic[T]):
     def last(self, name: str) -> T:
         """The last timed pass's result."""
         return self.outputs[name][-1]
+
+    def decode_speedup(self, name: str) -> float:
+        """Median over passes of this run's decode-phase tokens/s ÷ the baseline's, same pass
+        (:func:`decode_rate`; the passes must return ``GenerationOutput`` lists)."""
+        return statistics.median(decode_rate(s) / decode_rate(p)  # type: ignore[arg-type]
+                                 for s, p in zip(self.outputs[name], self.outputs[self.baseline]))
+
+
+def decode_rate(outs: Sequence[GenerationOutput]) -> float:
+    """Decode-phase tokens/s of one pass: the tokens after each request's first step, over
+    their time. The analytic limit is a per-step model of decoding, so efficiency divides this
+    phase's speedup by it: the first step (the prefill, the same work with or without
+    speculation) is left out on both sides."""
+    return sum(x.decode_tokens for x in outs) / sum(x.decode_s for x in outs)
 
 
 def warm_up(runs: Mapping[str, Run[Any]], rounds: int = 1) -> None:

@@ -72,6 +72,24 @@ def test_summary_counts_errors_and_never_calls_a_run_with_failures_equal():
     assert failed["outputs_equal"] is None and failed["methods"]["m"]["tau"] is None  # nothing measured
 
 
+def test_efficiency_divides_the_decode_phase_speedup_by_the_limit():
+    """The analytic limit models decoding steps, so a run's efficiency leaves each request's
+    first step (the prefill) out on both sides; records without decode timing fall back to
+    the whole-request speedup."""
+    limit_times = {"t_target_1": 1.0, "t_target_g1": 1.0, "t_draft_1": 0.0}  # limit = τ = 2 at γ 2
+    recs = [_record("a"), _record("b")]
+    for r in recs:  # whole requests: 2 tokens in 0.1 s plain, 0.05 s speculative -> speedup 2
+        r["plain"] |= {"decode_s": 0.08, "decode_tokens": 1}  # decode phase: speedup 0.08 / 0.02 = 4
+        r["methods"]["m"] |= {"decode_s": 0.02, "decode_tokens": 1, "reached": [1, 1], "accepted_at": [1, 0]}
+    m = summarize(recs, gammas={"m": 2}, greedy=True, forward_times={"m": limit_times})["methods"]["m"]
+    assert m["speedup"] == pytest.approx(2.0) and m["decode_speedup"] == pytest.approx(4.0)
+    assert m["analytic_limit"] == pytest.approx(2.0) and m["efficiency"] == pytest.approx(2.0)
+    for r in recs:
+        del r["methods"]["m"]["decode_s"]
+    m = summarize(recs, gammas={"m": 2}, greedy=True, forward_times={"m": limit_times})["methods"]["m"]
+    assert m["decode_speedup"] is None and m["efficiency"] == pytest.approx(1.0)
+
+
 def test_too_few_kv_blocks_fails_requests_loudly_and_resume_runs_them_again(tiny_pair, tmp_path, caplog):
     """runtime.num_blocks=2 (32 slots) cannot hold one prompt: every request is rejected, the run
     ends without the forward timer's traceback, and nothing says complete or equal."""

@@ -66,6 +66,7 @@ from specdec.measure import (
     breakdown_row,
     builtin_pair,
     builtin_prompts,
+    decode_rate,
     efficiency,
     emit_json,
     hf_model,
@@ -157,11 +158,6 @@ def _first_steps(outs: list[GenerationOutput]) -> float:
     return sum(x.ttft_s - e for x, e in zip(outs, ends))
 
 
-def _decode_rate(outs: list[GenerationOutput]) -> float:
-    """Decode-phase tokens/s of one pass: the tokens after each request's first step, over their time."""
-    return sum(x.decode_tokens for x in outs) / sum(x.decode_s for x in outs)
-
-
 def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: list[list[int]]) -> dict[str, Any]:
     prompts = prompts[: cfg.num_prompts]
     hf_t, hf_d, hf_d_fixed = (hf_model(p, cfg.device) for p in (target, draft, draft))
@@ -209,8 +205,7 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
     speedup = timing.speedup(dm)
     # The limit is a per-step model of decoding; this speedup leaves out each
     # request's first step (its prefill, the same work with or without speculation).
-    decode_speedup = statistics.median(_decode_rate(s) / _decode_rate(p)
-                                       for s, p in zip(timing.outputs[dm], timing.outputs[plain]))
+    decode_speedup = timing.decode_speedup(dm)
     # The most an overhead-free framework could score end to end: both sides'
     # first steps as measured, every later step at its bare cost.
     first = {k: statistics.median(_first_steps(o) for o in timing.outputs[k]) for k in ours}
@@ -240,7 +235,7 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
         "efficiency_batch1_e2e_cap": efficiency(ideal_plain / ideal_spec, limit) or 0.0,
         "first_steps_s": first,
         "bare_ms": {k: v * 1e3 for k, v in dataclasses.asdict(bare).items()},
-        "decode_tok_s": {k: statistics.median(_decode_rate(o) for o in timing.outputs[k]) for k in ours},
+        "decode_tok_s": {k: statistics.median(decode_rate(o) for o in timing.outputs[k]) for k in ours},
         "tau_draft_model": counts.tau,
         "speedup_draft_model": speedup,
         "decode_speedup_draft_model": decode_speedup,

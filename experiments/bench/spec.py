@@ -5,9 +5,12 @@
 
 For each proposer (any registered one, by name) and γ: τ, α, tokens/s,
 speedup over our plain decoding of the same target (same prompts, same batch
-size, interleaved passes) and efficiency = speedup / analytic limit, the limit
-from bare forward times of the method's own models timed in the same run
-(definitions: :mod:`specdec.measure`). Last line (JSON): ``efficiency_batch1``
+size, interleaved passes; ``speedup`` whole requests, ``decode_speedup`` after
+each request's first step) and efficiency = decode_speedup / analytic limit,
+the limit from bare forward times of the method's own models timed in the same
+run (definitions: :mod:`specdec.measure`). The limit is a per-step model of
+decoding, so its efficiency leaves the prefill out on both sides, as
+``compare_hf.py``'s ``efficiency_batch1`` does (one definition for every tool). Last line (JSON): ``efficiency_batch1``
 (of the fastest proposer/γ at batch 1), ``best``, the best ``speedup`` and its
 ``tau`` per proposer, ``at_gamma4`` (τ, speedup and efficiency of every
 proposer at γ = 4, the issue goals' operating point), ``outputs_equal`` (every
@@ -192,6 +195,7 @@ def main(argv: list[str]) -> None:
         stats = llms[key].pipeline.stats()  # the last timed pass's
         counts = stats.counts
         speedup = timing.speedup(key)
+        decode_speedup = timing.decode_speedup(key)
         bt = bare[key]
         base = name[: -len(TREE_SUFFIX)]
         forwards = g
@@ -204,10 +208,10 @@ def main(argv: list[str]) -> None:
         breakdown[key] = step_breakdown(stats, timing.times[key][-1], bt, gamma=g, draft_forwards=forwards)
         rows.append({"proposer": name, "gamma": g, "tau": counts.tau, "alpha": counts.alpha,
                      "accepted_len": counts.accepted_length, "tree_size": counts.tree_size,
-                     "tok_s": n_tokens / timing.median(key), "speedup": speedup,
+                     "tok_s": n_tokens / timing.median(key), "speedup": speedup, "decode_speedup": decode_speedup,
                      "T_t(1)_ms": bare[key].t_target_1 * 1e3, "T_t(γ+1)_ms": bare[key].t_target_g1 * 1e3,
                      "T_d(1)_ms": bare[key].t_draft_1 * 1e3, "limit": limit,
-                     "efficiency": efficiency(speedup, limit) or 0.0,
+                     "efficiency": efficiency(decode_speedup, limit) or 0.0,
                      "equal": outputs_equal([o.token_ids for o in timing.last(key)], plain_ids)})
     plain_step_ms = timing.median("plain") * 1e3 / (n_tokens / cfg.batch_size)  # one token per request per step
     t1_ms = statistics.median(b.t_target_1 for b in bare.values()) * 1e3
@@ -230,6 +234,7 @@ def main(argv: list[str]) -> None:
         "speedup": {p: round(r["speedup"], 3) for p, r in best_by.items()},
         "tau": {p: round(r["tau"], 3) for p, r in best_by.items()},
         "at_gamma4": {r["proposer"]: {"tau": round(r["tau"], 3), "speedup": round(r["speedup"], 3),
+                                      "decode_speedup": round(r["decode_speedup"], 3),
                                       "efficiency": round(r["efficiency"], 3)} for r in rows if r["gamma"] == 4},
         "tree_budget": {p: {str(r["gamma"]): {"tau": round(r["tau"], 3), "speedup": round(r["speedup"], 3),
                                               "tree_size": round(r["tree_size"], 2),

@@ -83,6 +83,10 @@ def _entry(ctx: TextContext, wall: float, n: int) -> dict[str, Any]:
         "time_share_s": wall / n,
         "tokens_per_s": len(gen) / lat if lat else None,
     }
+    if ctx.error is None and None not in (ctx.t_first_token, ctx.t_finished):
+        # After its first step (the prefill): what the analytic limit models.
+        e["decode_s"] = ctx.t_finished - ctx.t_first_token  # type: ignore[operator]
+        e["decode_tokens"] = ctx.num_generated - ctx.num_first_tokens
     if ctx.error is None:
         e["repetition"] = asdict(Repetition.of(gen))
     return e
@@ -102,6 +106,9 @@ def _total(turns: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "time_share_s": sum(t["time_share_s"] for t in turns),
         "tokens_per_s": out_len / lat if lat else None,
     }
+    if all("decode_s" in t for t in turns):
+        e["decode_s"] = sum(t["decode_s"] for t in turns)
+        e["decode_tokens"] = sum(t["decode_tokens"] for t in turns)
     if err is None:
         e["repetition"] = asdict(sum((Repetition(**t["repetition"]) for t in turns), Repetition()))
     if "gamma" in turns[0]:

@@ -104,6 +104,18 @@ def _throughput(entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {"requests": len(entries), "tokens": tokens, "time_s": t, "tokens_per_s": tokens / t if t > 0 else None}
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def _decode_rate(entries: Sequence[Mapping[str, Any]]) -> float | None:
+    """Tokens/s after each request's first step (None: a record without decode timing)."""
+    if not entries or any("decode_s" not in e for e in entries):
+        return None
+    t = sum(e["decode_s"] for e in entries)
+    return sum(e["decode_tokens"] for e in entries) / t if t > 0 else None
+
+
 def summarize(
     records: Sequence[Mapping[str, Any]],
     *,
@@ -115,7 +127,9 @@ def summarize(
 
     With ``forward_times`` (per method: the fields of
     :class:`specdec.measure.ForwardTimes`) each method also gets its analytic
-    limit and efficiency = speedup / limit.
+    limit and efficiency = decode_speedup / limit (tokens/s after each request's
+    first step, speculation ÷ plain: the limit models decoding steps, not the
+    prefill; the whole-request speedup where records lack decode timing).
     """
     cats = _categories(records)
     plain = _plain_figures(records)
@@ -175,6 +189,7 @@ def _method_figures(
         **thr,
         "plain_tokens_per_s": base["tokens_per_s"],
         "speedup": thr["tokens_per_s"] / base["tokens_per_s"] if thr["tokens_per_s"] and base["tokens_per_s"] else None,
+        "decode_speedup": _ratio(_decode_rate(ents), _decode_rate([r[PLAIN] for r in both])),
         "tau": counts.tau if counts.steps else None,  # nothing measured (every request failed)
         "alpha": counts.alpha if counts.steps else None,
         "per_position_acceptance": counts.per_position,
@@ -196,7 +211,9 @@ def _method_figures(
     m.update(_step_time(ents))
     if forward_times and m["speedup"] and counts.steps:
         m["analytic_limit"] = ForwardTimes(**forward_times).limit(counts.tau, gamma)
-        m["efficiency"] = efficiency(m["speedup"], m["analytic_limit"])
+        # The limit models decoding steps: the decode-phase speedup (prefill left out on both
+        # sides, as the benchmarks do), the whole-request one for records without it.
+        m["efficiency"] = efficiency(m["decode_speedup"] or m["speedup"], m["analytic_limit"])
         m["forward_times_s"] = dict(forward_times)
     return m
 
