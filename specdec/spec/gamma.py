@@ -132,15 +132,27 @@ def choose_gamma(
     t_target: Callable[[int, int], float],
     t_draft: Callable[[int], float],
     min_gain: float = 0.0,
+    *,
+    catch_up_s: float = 0.0,
+    remaining_tokens: float = float("inf"),
 ) -> int:
     """The γ in 0 … ``max_gamma`` with the most expected tokens per second;
     0 (plain decoding) unless the best γ beats it by ``min_gain``.
-    ``t_target(B, n)``: a forward of B requests of n tokens each."""
+    ``t_target(B, n)``: a forward of B requests of n tokens each.
+
+    ``catch_up_s``: a one-time cost of starting to speculate (a draft model
+    reading prompts it has not seen), paid back only over the batch's
+    ``remaining_tokens``: a speculative rate r then counts as
+    ``R / (catch_up_s + R / r)``. Short outputs of long prompts stay plain.
+    Example: R = 32 tokens, plain 1 token/ms, speculation 2 tokens/ms after a
+    20 ms catch-up: 32 / (20 + 16) = 0.89 tokens/ms, so plain wins."""
     b = len(accept)
     plain = b / t_target(b, 1)
     best, best_rate = 0, plain
     for g in range(1, max_gamma + 1):
         rate = expected_tokens(accept, g) / (t_target(b, g + 1) + g * t_draft(b))
+        if catch_up_s > 0:
+            rate = remaining_tokens / (catch_up_s + remaining_tokens / rate)
         if rate > best_rate:
             best, best_rate = g, rate
     return best if best_rate >= plain * (1 + min_gain) else 0

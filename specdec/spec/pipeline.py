@@ -393,6 +393,7 @@ class SpecDecodePipelineModel:
         self._running: dict[str, list[int]] = {}
         self._drafter_running = [0, 0]  # the same over every request so far (adaptive γ's prior)
         self._curves: tuple[TargetCost, CostCurve] | None = None
+        self._catch_up: CostCurve | None = None  # seconds for the drafter to read n unseen tokens
         self._greedy: dict[int, SamplingTensors] = {}  # all-greedy sampling tensors per batch size
         if config.gamma_policy.adaptive:  # calibrate now, while the KV cache is empty
             self._cost_curves()
@@ -558,13 +559,17 @@ class SpecDecodePipelineModel:
             tt = TargetCost.measure(lambda b, n: forward_time(self.target, n, max(ctx, n), repeats=7, stat="min",
                                                               requests=b), bpts, g + 1)
             td = CostCurve(lambda b: self.proposer.draft_cost(b, ctx), bpts)
+            # A drafter's one-time read of a prompt it has not seen (one request, n tokens).
+            npts = sorted({min(n, rt.max_seq_len - 1) for n in (16, 64, 256, 1024)})
+            tc = CostCurve(self.proposer.catch_up_cost, npts)
             # Under torchrun every rank must pick the same γ (tensor-parallel ranks run
             # each step's forwards together): all take rank 0's measured curves.
             from specdec.dist.group import current
 
-            tt.one.times, tt.most.times, td.times = current().broadcast_object(
-                (tt.one.times, tt.most.times, td.times))
+            tt.one.times, tt.most.times, td.times, tc.times = current().broadcast_object(
+                (tt.one.times, tt.most.times, td.times, tc.times))
             self._curves = (tt, td)
+            self._catch_up = tc
         return self._curves
 
     def _policy_gamma(self, batch: list[TextContext], gammas: list[int]) -> int:
@@ -572,7 +577,13 @@ class SpecDecodePipelineModel:
         seen = tuple(self._drafter_running)
         accept = [pol.acceptance(tuple(self._running.get(c.request_id, (0, 0))), seen) for c in batch]
         tt, td = self._cost_curves()
-        return pol.explore(choose_gamma(accept, max(gammas), tt, td, pol.min_gain), max(gammas), seen[1])
+        # Unseen tokens past a step's own catch-up (γ + 1 at most) are a one-time cost.
+        unseen = [self.proposer.unseen_tokens(c) for c in batch]
+        extra = sum(u for u in unseen if u > max(gammas) + 1)
+        catch_up = self._catch_up(extra) if extra and self._catch_up is not None else 0.0
+        remaining = sum(max(1, c.sampling.max_new_tokens - c.num_generated) for c in batch)
+        g = choose_gamma(accept, max(gammas), tt, td, pol.min_gain, catch_up_s=catch_up, remaining_tokens=remaining)
+        return pol.explore(g, max(gammas), seen[1])
 
     def _spec_step(self, batch: list[TextContext],
                    chunks: list[tuple[TextContext, int]]) -> list[list[int] | RequestFailure]:

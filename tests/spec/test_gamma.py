@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 
 from specdec.api import LLM
-from specdec.core.context import SamplingParams
+from specdec.core.context import SamplingParams, TextContext
 from specdec.core.pipeline_model import RuntimeConfig
 from specdec.spec.gamma import CostCurve, TargetCost, choose_gamma, expected_tokens
 from specdec.spec.proposers.draft_model import DraftModelConfig
@@ -60,6 +59,12 @@ def test_choose_gamma() -> None:
     # γ=1 gives 1.04 tokens per unit time, 4% over plain.
     assert choose_gamma([0.04], 1, flat, free, min_gain=0.0) == 1
     assert choose_gamma([0.04], 1, flat, free, min_gain=0.05) == 0
+    # A one-time catch-up is paid back only over the tokens left: a = 0.5, γ = 1 gives 1.5
+    # tokens per unit (plain: 1). 32 tokens left after a catch-up of 20 units:
+    # 32 / (20 + 32 / 1.5) = 0.77 < 1, plain; with 320 left, 320 / (20 + 213) = 1.37.
+    assert choose_gamma([0.5], 1, flat, free) == 1
+    assert choose_gamma([0.5], 1, flat, free, catch_up_s=20.0, remaining_tokens=32) == 0
+    assert choose_gamma([0.5], 1, flat, free, catch_up_s=20.0, remaining_tokens=320) == 1
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
@@ -130,7 +135,7 @@ def test_adaptive_gamma_learns_the_drafter_before_it_turns_speculation_off(tiny_
     assert tried >= 8 and acc / tried > 0.6
     # A new request starts from the learnt estimate: its first step drafts (the trapped
     # pipeline's would not).
-    fresh = [SimpleNamespace(request_id="new")]
+    fresh = [TextContext(request_id="new", tokens=[1, 2, 3], prompt_len=3, sampling=sp)]
     assert learns.pipeline._policy_gamma(fresh, [4]) > 0 and trapped.pipeline._policy_gamma(fresh, [4]) == 0
 
 

@@ -285,6 +285,16 @@ class Proposer(ABC):
         """Seconds one drafting forward takes for ``batch_size`` requests (0: model-free)."""
         return 0.0
 
+    def unseen_tokens(self, ctx: TextContext) -> int:
+        """Tokens of ``ctx`` the drafter must read before it can draft (a draft model's
+        catch-up; 0: a drafter that keeps up with the target on its own, or none)."""
+        return 0
+
+    def catch_up_cost(self, num_tokens: int) -> float:
+        """Seconds the drafter takes to read ``num_tokens`` unseen tokens of one request
+        (measured on an empty cache; 0 where :meth:`unseen_tokens` is always 0)."""
+        return 0.0
+
     @property
     def draft_model(self) -> DecoderPipelineModel | None:
         """The draft decoder whose one-token forward is T_draft(1) of the analytic limit (None: model-free)."""

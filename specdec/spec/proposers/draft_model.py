@@ -316,6 +316,12 @@ class DraftModelProposer(Proposer):
     def draft_cost(self, batch_size: int, context_len: int) -> float:
         return forward_time(self.pipeline, 1, context_len, repeats=7, stat="min", requests=batch_size)
 
+    def unseen_tokens(self, ctx: TextContext) -> int:
+        return len(ctx.tokens) - ctx.processed(self.cache_name)
+
+    def catch_up_cost(self, num_tokens: int) -> float:
+        return forward_time(self.pipeline, num_tokens, num_tokens, repeats=3, stat="min")
+
     @property
     def draft_model(self) -> DecoderPipelineModel:
         return self.pipeline
