@@ -95,11 +95,12 @@ class CompareConfig:
     hf_repeats: int | None = None  # timed passes of the HF runners (None: repeats)
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
     sweep_new_tokens: int = 32
-    sweep_min_requests: int = 16  # per point, so small batches time more than one short request
+    sweep_min_requests: int = 32  # per point, so small batches time more than one short request
     sweep_compile: bool | None = None  # None: as `compile` (quick: false, compiling its batch shapes takes ~25 s)
     # Timed passes per sweep point. The headline is the *lowest* of 8 ratios,
-    # so each must be steady: a 2-3% wobble per ratio would pull it down.
-    sweep_repeats: int = 5
+    # so each must be steady: a 2-3% wobble per ratio would pull it down. (16 requests x 5
+    # passes gave per-point ratios that moved by 5% between runs: 32 x 7 now.)
+    sweep_repeats: int = 7
     # If set, a point whose passes already time this many tokens in fewer
     # passes runs only those (at least 2): quick spends its time on the small,
     # noisy points, not on batch 64.
