@@ -15,7 +15,7 @@ there).
 Ours runs with ``runtime.compile`` (``compile=true``, the default) and, at
 batch 1, eager beside it: the headline figures are the compiled ones, and
 ``compile_gain_*`` / ``*_eager`` give the eager side. ``quick=true`` stays
-under a minute: 3 prompts x 48 tokens, three passes of ours and one of HF's, no
+about a minute: 4 prompts x 64 tokens, three passes of ours and one of HF's, no
 eager batch-1 rows, and an eager sweep (``sweep_compile``) of three passes per
 point (two at batch 64) without HF's batched reference.
 
@@ -340,7 +340,7 @@ def main(argv: list[str]) -> None:
     if cfg.quick:
         # Three passes of ours, one of HF's (its figures have wide margins); eager's
         # batch-1 rows (compile_gain_*) are left out.
-        cfg.pairs, cfg.repeats, cfg.num_prompts, cfg.new_tokens, cfg.batch1_eager = ["builtin"], 3, 3, 48, False
+        cfg.pairs, cfg.repeats, cfg.num_prompts, cfg.new_tokens, cfg.batch1_eager = ["builtin"], 3, 4, 64, False
         cfg.hf_repeats = 1
         cfg.batch_sizes, cfg.sweep_new_tokens, cfg.sweep_min_requests, cfg.sweep_repeats = [1, 4, 16, 64], 24, 4, 3
         cfg.sweep_pass_tokens = 2 * 64 * 24  # batch 64: two passes
