@@ -159,7 +159,7 @@ def main(argv: list[str]) -> None:
     cfg = load_config(SpecBenchConfig, argv)
     torch.set_num_threads(cfg.threads)
     if cfg.quick:
-        cfg.repeats, cfg.num_prompts, cfg.new_tokens, cfg.gammas = 2, 4, 64, [1, 2, 4, 8]
+        cfg.repeats, cfg.num_prompts, cfg.new_tokens, cfg.gammas = 1, 8, 64, [1, 2, 4, 8]
     target, draft, prompts = inputs(cfg)
     max_len = max(len(p) for p in prompts) + cfg.new_tokens + 16
     runtime = RuntimeConfig(max_batch_size=cfg.batch_size, max_seq_len=max_len, device=cfg.device,
