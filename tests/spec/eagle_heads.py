@@ -59,6 +59,14 @@ def _base() -> Path:
     return _BASE
 
 
+def scratch_dir(name: str) -> Path:
+    """A new directory under the session's temporary one (removed at exit): for test
+    checkpoints that outlive a test (cached per target), so none is left in /tmp."""
+    out = _base() / f"{sum(1 for _ in _base().iterdir())}-{name}"
+    out.mkdir()
+    return out
+
+
 def head_for(target: object, kind: str) -> Path:
     """A head for the tiny target ``target`` (a conftest ``Tiny``), made once per
     (target, kind): ``eagle``, ``eagle-echo``, ``eagle3`` or ``eagle3-small-vocab``

@@ -18,12 +18,13 @@ no sizes, no architectures) unless asked otherwise.
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
+
+from eagle_heads import scratch_dir  # tests/spec/eagle_heads.py: one session dir, removed at exit
 
 
 def medusa_checkpoint(d: Path, *, hidden: int, vocab: int, heads: int = 4, layers: int = 1, shared: bool = False,
@@ -63,7 +64,7 @@ def medusa_for(target: Any, kind: str) -> Path:
     key = (str(path), kind)
     if key not in _HEADS:
         tc = json.loads((path / "config.json").read_text())
-        out = Path(tempfile.mkdtemp(prefix=f"{kind}-"))
+        out = scratch_dir(kind)
         h, v = int(tc["hidden_size"]), int(tc["vocab_size"])
         if kind == "medusa":
             medusa_checkpoint(out, hidden=h, vocab=v, heads=4, layers=1)

@@ -12,7 +12,6 @@ chi-square through ``LLM.generate`` with a planted bug as negative control.
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from specdec.spec import pipeline as spec_pipeline
 from specdec.spec.proposers.eagle import Eagle3Config, EagleConfig, EagleDrafter
 from specdec.spec.tree import TreeConfig
 
-from eagle_heads import head_for  # tests/spec/eagle_heads.py
+from eagle_heads import head_for, scratch_dir  # tests/spec/eagle_heads.py
 from test_greedy_exactness import HYP, MIN_MARGIN, _rand_prompts, _target, prompts
 from test_sampling_exactness import N, P_FAIL, P_PASS, PROMPT, exact_joint, gof_pvalue, plant_uniform_tree_q
 
@@ -60,7 +59,7 @@ def leaky_echo_head(target: Any) -> Path:
             w.copy_(torch.randn(w.shape, generator=g) * 0.05)
             h = w.shape[0]  # and the token: fc reads a little of its embedding
             head.fc.weight[:, :h] = torch.randn(h, h, generator=g) * 0.02
-        out = Path(tempfile.mkdtemp(prefix="head-leaky-"))
+        out = scratch_dir("head-leaky")
         save_head(head, out, num_target_layers=2)
         _LEAKY[key] = out
     return _LEAKY[key]
