@@ -11,12 +11,30 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 from specdec.core.context import SamplingParams, TextContext
 from specdec.core.kv_cache import BlockTable
 from specdec.core.pipeline_model import DecoderPipelineModel
+
+
+def time_calls(fn: Callable[[], object], device: torch.device, *, repeats: int, stat: str = "median",
+               warmup: int = 3) -> float:
+    """Seconds of one call of ``fn`` (after ``warmup`` untimed calls): the median, or the
+    least (``stat="min"``), of ``repeats`` timed calls, each synchronised to its end on a GPU."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)  # device work is asynchronous: time it to the end
+        times.append(time.perf_counter() - t)
+    return min(times) if stat == "min" else statistics.median(times)
 
 
 @torch.inference_mode()
@@ -39,19 +57,7 @@ def forward_time(pm: DecoderPipelineModel, n: int, ctx_len: int, *, repeats: int
         # A bare forward reads no per-request state: no state slots.
         inputs = pm.processor.prepare_initial_token_inputs([ctxs], return_n_logits=n, with_state=False).inputs
         inputs.kv_cache = cache.tensors
-        module = pm.module
-        dev = cache.tensors.k.device
-        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda *a: None)
-        for _ in range(3):
-            module(inputs)
-        times = []
-        for _ in range(repeats):
-            sync(dev)
-            t = time.perf_counter()
-            module(inputs)
-            sync(dev)  # device work is asynchronous: time it to the end
-            times.append(time.perf_counter() - t)
-        return min(times) if stat == "min" else statistics.median(times)
+        return time_calls(lambda: pm.module(inputs), cache.tensors.k.device, repeats=repeats, stat=stat)
     finally:
         for table in tables:
             cache.free(table)

@@ -20,9 +20,8 @@ maximum-likelihood one of the geometric model above. (Accepted / proposed
 is biased low: at a = 0.85 and γ = 4 it reads 0.68, and the policy then
 drafts too little.) It has a prior worth ``prior_weight`` drafts: the
 drafter's acceptance over every request the pipeline has verified (itself
-starting from ``prior_accept``). Forward
-times come from a short calibration on first use, interpolated linearly
-between measured token counts.
+starting from ``prior_accept``). Forward times come from a short
+calibration on first use, interpolated linearly between measured points.
 
 Exploration: the estimate must come from the drafter, not from the prior. A
 prior that is too low picks γ = 0, and a pipeline that never drafts never

@@ -577,10 +577,12 @@ class SpecDecodePipelineModel:
         seen = tuple(self._drafter_running)
         accept = [pol.acceptance(tuple(self._running.get(c.request_id, (0, 0))), seen) for c in batch]
         tt, td = self._cost_curves()
-        # Unseen tokens past a step's own catch-up (γ + 1 at most) are a one-time cost.
-        unseen = [self.proposer.unseen_tokens(c) for c in batch]
-        extra = sum(u for u in unseen if u > max(gammas) + 1)
-        catch_up = self._catch_up(extra) if extra and self._catch_up is not None else 0.0
+        # Unseen tokens past a step's own catch-up (γ + 1 at most) are a one-time cost
+        # (only a drafter that reads them has a catch-up curve above zero).
+        catch_up = 0.0
+        if self._catch_up is not None and self._catch_up.times[-1] > 0:
+            extra = sum(u for u in map(self.proposer.unseen_tokens, batch) if u > max(gammas) + 1)
+            catch_up = self._catch_up(extra) if extra else 0.0
         remaining = sum(max(1, c.sampling.max_new_tokens - c.num_generated) for c in batch)
         g = choose_gamma(accept, max(gammas), tt, td, pol.min_gain, catch_up_s=catch_up, remaining_tokens=remaining)
         return pol.explore(g, max(gammas), seen[1])

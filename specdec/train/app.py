@@ -201,7 +201,7 @@ def self_distillation_text(cfg: TrainAppConfig, target_dir: Path, train_ids: tor
             return saved["tokens"]
     t0 = time.perf_counter()
     with progress.phase(f"self-distillation text: {g.prompts} windows x {g.new_tokens} greedy tokens"):
-        tokens = D.generated_documents(target_dir, train_ids, g, sep, threads=cfg.threads)
+        tokens = D.generated_documents(target_dir, train_ids, g, sep)
     atomic_save({"key": key, "tokens": tokens}, path)
     progress.line(f"self-distillation text: {tokens.numel():,} tokens in {fmt_duration(time.perf_counter() - t0)}")
     return tokens

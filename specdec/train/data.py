@@ -11,6 +11,8 @@
   ``lm_head`` of them) and the inputs of the layers an EAGLE-3 head fuses;
   computed on the fly, or once per chunk of windows and cached on disk
   (``data.cache_dir``);
+- :func:`generated_documents` — self-distillation text (``data.generate``): train
+  windows continued greedily by the target through the engine;
 - :func:`eval_set` — held-out prompts with the target's greedy continuations,
   on which a recipe simulates greedy chain speculation (τ).
 """
@@ -141,8 +143,8 @@ def encode(tok: Any, docs: Sequence[tuple[str, str]], separator: int) -> torch.T
     return torch.tensor(out, dtype=torch.long)
 
 
-def generated_documents(target_dir: str | Path, stream: torch.Tensor, cfg: GenerateConfig, separator: int,
-                        threads: int | None = None) -> torch.Tensor:
+def generated_documents(target_dir: str | Path, stream: torch.Tensor, cfg: GenerateConfig,
+                        separator: int) -> torch.Tensor:
     """Self-distillation text: ``cfg.prompts`` windows of ``stream`` (``cfg.prompt_len`` tokens,
     starts evenly spaced) continued greedily by the target through the engine (batched, paged
     KV), as one stream [N]: ``separator``, the window, its continuation, for each in order.
@@ -158,8 +160,7 @@ def generated_documents(target_dir: str | Path, stream: torch.Tensor, cfg: Gener
         raise ValueError(f"data.generate.prompt_len={span} is longer than the train stream ({stream.numel()} tokens)")
     starts = torch.linspace(0, stream.numel() - span, n).long().tolist()
     prompts = [stream[s : s + span].tolist() for s in starts]
-    llm = LLM(target_dir, max_batch_size=cfg.batch_size, max_seq_len=span + cfg.new_tokens,
-              **({"threads": threads} if threads else {}))
+    llm = LLM(target_dir, max_batch_size=cfg.batch_size, max_seq_len=span + cfg.new_tokens)  # torch's threads as set
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=cfg.new_tokens))
     docs: list[int] = []
     for i, (p, o) in enumerate(zip(prompts, outs)):

@@ -39,8 +39,6 @@ many drafts were accepted, so the device picks them.
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, List, Optional
 
@@ -56,6 +54,7 @@ from specdec.core.pipeline_model import compile_decoder
 from specdec.core.registry import Role
 from specdec.models.eagle import EagleHead, check_head_fits
 from specdec.sampling import LANE_DRAFT, SamplingTensors, greedy_tokens, probs_from_logits, sample_from
+from specdec.spec.forward_time import time_calls
 from specdec.spec.tree import (
     TreeConfig,
     accepted_slot_moves,
@@ -402,7 +401,8 @@ class EagleProposer(Proposer):
                 self.cache.reserve(table, ctx_len)
             bs = self.cache.block_size
             p = torch.arange(ctx_len)
-            gather = torch.stack([torch.tensor(t.blocks)[p // bs] * bs + p % bs for t in tables]).to(self.device)  # [B, S]
+            gather = torch.stack([torch.tensor(t.blocks)[p // bs] * bs + p % bs for t in tables])  # [B, S]
+            gather = gather.to(self.device)
             b = requests
             rows = torch.arange(b, device=self.device)
             pos = torch.full((b,), ctx_len - 1, device=self.device)
@@ -412,14 +412,7 @@ class EagleProposer(Proposer):
                                 single_request=b == 1, mask=MaskKind.EXPLICIT)
             feat = torch.zeros(b, self.head.config.hidden_size, device=self.device,
                                dtype=next(self.head.parameters()).dtype)
-            for _ in range(3):
-                self.head(inp, feat)
-            times = []
-            for _ in range(repeats):
-                t = time.perf_counter()
-                self.head(inp, feat)
-                times.append(time.perf_counter() - t)
-            return min(times) if stat == "min" else statistics.median(times)
+            return time_calls(lambda: self.head(inp, feat), torch.device(self.device), repeats=repeats, stat=stat)
         finally:
             for table in tables:
                 self.cache.free(table)

@@ -23,8 +23,6 @@ deterministic top-k (verified with q a point mass), at most K deep.
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -41,6 +39,7 @@ from specdec.spec.proposers.base import (
     TargetStep,
     register_proposer,
 )
+from specdec.spec.forward_time import time_calls
 from specdec.spec.tree import TreeConfig
 
 
@@ -150,14 +149,7 @@ class MedusaProposer(Proposer):
         w = self.heads.block(0).linear.weight
         h = torch.zeros(batch_size, self.heads.config.hidden_size, dtype=w.dtype, device=w.device)
         g = self.tree_facts[0] if self.drafts_trees and self.tree_facts[0] else self.gamma  # heads run
-        for _ in range(2):
-            self.heads(h, g)
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            self.heads(h, g)
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
+        return time_calls(lambda: self.heads(h, g), w.device, repeats=repeats, warmup=2)
 
     @property
     def gamma(self) -> int:
