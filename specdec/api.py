@@ -169,6 +169,10 @@ class LLM:
             import torch
 
             torch.set_num_threads(self.runtime.threads)
+        if self.runtime.keep_allocations and self.runtime.device == "cpu":
+            from specdec.core.pipeline_model import keep_large_allocations
+
+            keep_large_allocations()
         self.pipeline = build_pipeline(target, self.method, self.runtime)
         cfg = self.pipeline.target.config  # type: ignore[attr-defined]
         self.eos_token_ids = tuple(cfg.eos_token_id)
