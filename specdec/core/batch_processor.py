@@ -165,8 +165,12 @@ def _pack(
     block_size: int,
     return_n_logits: int,
     lookahead: list[int],
+    *,
+    grouped: bool = True,
 ) -> tuple[DecoderInputs, torch.Tensor | None]:
-    """Builds the index tensors of :class:`DecoderInputs` (see its worked example).
+    """Builds the index tensors of :class:`DecoderInputs` (see its worked example),
+    and its ``attention_groups`` when one split saves most of the padding
+    (:func:`attention_split`; ``grouped=False``: never).
 
     Host-side arithmetic on tiny arrays: numpy, then zero-copy ``from_numpy``.
 
@@ -225,7 +229,44 @@ def _pack(
         # One request: its gathered keys are exactly its context.
         mask=_mask_kind(b, t, starts[0]),
     )
+    cut = attention_split(lens, [int(x) for x in ctx_len]) if grouped else None
+    if cut is not None:
+        rows = int(offset[cut])
+        # Each group takes the general path (explicit mask, even for one request): fewer
+        # kinds of batch for a compiled model to meet (each compiles a graph of its own).
+        inputs.attention_groups = [
+            replace(_pack(tokens_list[r0:r1], starts[a:z], lens[a:z], tables[a:z], bs, 1, [0] * (z - a),
+                          grouped=False)[0], single_request=False, mask=MaskKind.EXPLICIT)
+            for a, z, r0, r1 in ((0, cut, 0, rows), (cut, b, rows, t))
+        ]
     return inputs, draft_index
+
+
+def attention_split(lens: Sequence[int], ctx_lens: Sequence[int], *, min_saving: int = 16384) -> int | None:
+    """Where to cut a packed batch in two for attention, or None.
+
+    One group pads every request to the batch's most rows ``Q`` and longest
+    context ``S``: attention scores ``B · Q · S`` query-key pairs. A prompt
+    beside decoding requests makes almost all of that padding (on the
+    built-in target, one 105-token prompt with 15 verifying requests took
+    36 ms in one group against 28 ms for the two as separate forwards). The
+    cut ``k`` (requests ``[0, k)`` and ``[k, B)``, which stay in order) is the
+    one with the fewest padded pairs; it is taken when it at least halves
+    them and saves ``min_saving`` pairs (smaller savings do not pay for a
+    second attention call per layer).
+    Example: lens [1, 1, 1, 100], contexts [140, 140, 140, 100]: one group
+    4 · 100 · 140 = 56000 pairs; cut at 3: 3 · 1 · 140 + 1 · 100 · 100 = 10420.
+    """
+    b = len(lens)
+    if b < 2:
+        return None
+    whole = b * max(lens) * max(ctx_lens)
+    best, cut = whole, None
+    for k in range(1, b):
+        cost = k * max(lens[:k]) * max(ctx_lens[:k]) + (b - k) * max(lens[k:]) * max(ctx_lens[k:])
+        if cost < best:
+            best, cut = cost, k
+    return cut if cut is not None and 2 * best <= whole and whole - best >= min_saving else None
 
 
 def _mask_kind(num_requests: int, num_tokens: int, first_start: int) -> MaskKind:
@@ -252,7 +293,7 @@ def split_replicas(inputs: DecoderInputs, n_logits: int) -> list[DecoderInputs]:
         a, b = splits[r], splits[r + 1]
         ta, tb = int(tok_off[a]), int(tok_off[b])
         if a == b:  # a replica with no requests this step: nothing to run
-            out.append(replace(inputs, tokens=inputs.tokens[:0], data_parallel_splits=[0, 0]))
+            out.append(replace(inputs, tokens=inputs.tokens[:0], data_parallel_splits=[0, 0], attention_groups=None))
             continue
         s = int(ctx_len[a:b].max())
         out.append(
@@ -268,12 +309,14 @@ def split_replicas(inputs: DecoderInputs, n_logits: int) -> list[DecoderInputs]:
                 logit_index=inputs.logit_index[a * n_logits : b * n_logits] - ta,
                 context_lengths=ctx_len[a:b],
                 data_parallel_splits=[0, b - a],
+                attention_groups=None,  # (a replica attends as one group)
             )
         )
     return out
 
 
 __all__ = [
+    "attention_split",
     "BatchProcessorRuntime",
     "DecoderBatchProcessor",
     "PackedBatch",

@@ -87,6 +87,14 @@ class DecoderInputs:
     all_hidden: bool = False
     # Where each data-parallel replica's requests start: [R + 1], host ints.
     data_parallel_splits: list[int] = field(default_factory=lambda: [0])
+    # A batch whose requests feed very different row counts (a prompt beside
+    # decoding requests) attends in groups: consecutive runs of requests, each
+    # packed as its own batch over the same rows (rows re-based to the group's
+    # first), so no request is padded to another group's ``Q`` and ``S``.
+    # The packer decides (``_pack``); None: one group, the fields above.
+    # Whoever changes a step's rows, slots or mask afterwards (a tree step, a
+    # drafter's own cache) sets it to None.
+    attention_groups: list[DecoderInputs] | None = None
 
 
 D = TypeVar("D")
@@ -108,6 +116,8 @@ def move_tensors(obj: D, device: torch.device | str) -> D:
             moved = move_tensors(v, device)
             if moved is not v:
                 changes[f.name] = moved
+        elif isinstance(v, list) and v and is_dataclass(v[0]):
+            changes[f.name] = [move_tensors(x, device) for x in v]
     return replace(obj, **changes) if changes else obj  # type: ignore[type-var]
 
 

@@ -40,7 +40,8 @@ from torch import nn
 from specdec.core.inputs import DecoderInputs
 from specdec.core.registry import DecoderModule, Role, register
 from specdec.models.config import LlamaConfig, hf_config_dict
-from specdec.models.llama import MLP, Attend, Attention, DecoderLayer, DenseCausalAttend, PagedAttend, RMSNorm, RopeTables
+from specdec.models.llama import (MLP, Attend, Attention, DecoderLayer, DenseCausalAttend, RMSNorm, RopeTables,
+                                  paged_attend)
 
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 
@@ -245,10 +246,10 @@ class EagleHead(RopeTables, DecoderModule):
         assert inputs.kv_cache is not None, "DecoderInputs.kv_cache is required"
         cos, sin = self.rope_for(inputs.positions)
         check = feature.device.type == "cpu" and not torch.compiler.is_compiling()
-        attend = PagedAttend(inputs, inputs.kv_cache, None, isolate_rows=not check)
+        attend = paged_attend(inputs, inputs.kv_cache, None, isolate_rows=not check)
         h = self.step(inputs.tokens, feature, cos, sin, attend)
         if check and attend.rows_meet and not bool(torch.isfinite(h.sum())):  # see LlamaDecoder.forward
-            attend = PagedAttend(inputs, inputs.kv_cache, None)
+            attend = paged_attend(inputs, inputs.kv_cache, None)
             h = self.step(inputs.tokens, feature, cos, sin, attend)
         h = h[inputs.logit_index]
         return h, self.target_logits(h)

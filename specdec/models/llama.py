@@ -189,6 +189,32 @@ class PagedAttend:
         return out if self.single else out.index_select(0, inp.out_index)  # [T, H*D]
 
 
+class GroupedAttend:
+    """Attention of a batch packed in groups (``DecoderInputs.attention_groups``):
+    each group's rows, in order, through its own :class:`PagedAttend`."""
+
+    def __init__(self, groups: list[PagedAttend]) -> None:
+        self.groups = groups
+        # Rows per group, from tensor sizes (symbolic when compiled: no guard on the values).
+        self.sizes = [g.inputs.positions.shape[0] for g in groups]
+
+    @property
+    def rows_meet(self) -> bool:
+        return any(g.rows_meet for g in self.groups)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        parts = zip(self.groups, q.split(self.sizes), k.split(self.sizes), v.split(self.sizes))
+        return torch.cat([g(layer, qg, kg, vg) for g, qg, kg, vg in parts])
+
+
+def paged_attend(inputs: DecoderInputs, cache: KVCacheTensors, window: int | None,
+                 isolate_rows: bool = True) -> PagedAttend | GroupedAttend:
+    """The paged attention of one forward: in the packer's groups when it made any."""
+    if inputs.attention_groups:
+        return GroupedAttend([PagedAttend(g, cache, window, isolate_rows) for g in inputs.attention_groups])
+    return PagedAttend(inputs, cache, window, isolate_rows)
+
+
 class DenseCausalAttend:
     """``[batch, seq]`` causal attention without a cache (training)."""
 
@@ -398,11 +424,11 @@ class LlamaDecoder(RopeTables, DecoderModule):
         # again with it only if some row went non-finite: a residual stream that
         # went NaN or inf stays so to the last layer, so the final states tell.
         check = x.device.type == "cpu" and not torch.compiler.is_compiling()
-        attend = PagedAttend(inputs, inputs.kv_cache, self.config.sliding_window, isolate_rows=not check)
+        attend = paged_attend(inputs, inputs.kv_cache, self.config.sliding_window, isolate_rows=not check)
         rows = None if inputs.all_hidden else inputs.logit_index  # where captured layers are kept
         h, aux = self._layers(x, cos, sin, attend, inputs.capture_layers, rows)
         if check and attend.rows_meet and not bool(torch.isfinite(h.sum())):
-            attend = PagedAttend(inputs, inputs.kv_cache, self.config.sliding_window)
+            attend = paged_attend(inputs, inputs.kv_cache, self.config.sliding_window)
             h, aux = self._layers(x, cos, sin, attend, inputs.capture_layers, rows)
         aux_t = torch.cat(aux, dim=-1) if aux else None
         hl = h[inputs.logit_index]  # [N, d]

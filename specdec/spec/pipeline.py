@@ -276,6 +276,7 @@ class DraftAndVerify(nn.Module):
         inputs.positions = inputs.positions.index_put((draft_index.reshape(-1),),
                                                       (root_pos.unsqueeze(1) + dep).reshape(-1))
         # The root's index among its request's rows: rows before it are plain (a prompt).
+        inputs.attention_groups = None  # (a tree mask spans the whole batch's [B, Q])
         inputs.tree_mask = packed_tree_mask(tree.parents, nodes, root_row - inputs.q_index[:, 0],
                                             inputs.q_index.shape[1])
         return nodes

@@ -309,3 +309,30 @@ def test_move_tensors_moves_every_tensor_field_and_nested_inputs():
     assert moved.catch_up.tokens.device.type == "meta" and moved.catch_up.gather_slots.device.type == "meta"
     assert moved.gamma == 2 and moved.catch_up.mask == inputs.mask
     assert batch.num_draft.device.type == "cpu"  # the original is left alone
+
+
+def test_a_prompt_beside_decoding_requests_attends_in_its_own_group():
+    from specdec.core.batch_processor import attention_split
+
+    assert attention_split([1, 1, 1, 100], [140, 140, 140, 100]) == 3  # the docstring's example
+    assert attention_split([5] * 16, [140] * 16) is None  # uniform: nothing to save
+    assert attention_split([100], [100]) is None
+    assert attention_split([1, 2], [30, 30]) is None  # too little to pay for a second call per layer
+    p = _processor(block_size=4, max_seq_len=256)
+    cache = p.runtime.kv_caches[0]
+    decoding = [_ctx(f"d{i}", list(range(1, 60 + i)), 58 + i, cache) for i in range(3)]  # 1 new token each
+    prompt = _ctx("p", list(range(1, 151)), 0, cache)
+    inp = p.prepare_initial_token_inputs([decoding + [prompt]]).inputs
+    assert inp.attention_groups is not None
+    first, second = inp.attention_groups
+    assert first.q_index.shape == (3, 1) and second.q_index.shape == (1, 150)
+    assert first.gather_slots.shape == (3, 61) and second.gather_slots.shape == (1, 150)
+    assert not second.single_request and second.mask.name == "EXPLICIT"  # (the general path, one kind)
+    # The groups' rows, in order, are the batch's rows; each group's indices count from its own first row.
+    for f in ("tokens", "positions", "slot_mapping"):
+        assert torch.equal(torch.cat([getattr(first, f), getattr(second, f)]), getattr(inp, f)), f
+    assert second.q_index[0].tolist() == list(range(150))
+    assert first.gather_slots.tolist() == inp.gather_slots[:3, :61].tolist()
+    # A batch of prompts alike stays one group.
+    alike = [_ctx(f"a{i}", list(range(1, 30)), 0, cache) for i in range(4)]
+    assert p.prepare_initial_token_inputs([alike]).inputs.attention_groups is None

@@ -136,6 +136,40 @@ def test_cached_decode_logits_parity(kind, tie, hf_checkpoint, hf_logits, pipeli
 
 
 @pytest.mark.parametrize("kind, tie", CASES)
+def test_decoding_requests_beside_a_prompt_in_attention_groups(kind, tie, hf_checkpoint, hf_logits, pipeline,
+                                                               monkeypatch):
+    """A step where three requests decode and a fourth feeds its prompt attends in two groups
+    (``DecoderInputs.attention_groups``; forced here, the sizes are small): every row's logits
+    are transformers' own."""
+    from functools import partial
+
+    from specdec.core import batch_processor
+
+    monkeypatch.setattr(batch_processor, "attention_split", partial(batch_processor.attention_split, min_saving=0))
+    path, hf = hf_checkpoint(kind, tie=tie)
+    pm = pipeline(path)
+    v = hf.config.vocab_size
+    prompts = [_tokens(11, 13, v), _tokens(12, 6, v), _tokens(13, 9, v), _tokens(14, 30, v)]
+    ctxs = [_ctx(f"r{i}", p) for i, p in enumerate(prompts)]
+    try:
+        pm.execute(pm.processor.prepare_initial_token_inputs([ctxs[:3]]))
+        for c, t in zip(ctxs, _tokens(15, 3, v)):
+            c.tokens.append(t)
+        batch = pm.processor.prepare_initial_token_inputs([ctxs], return_n_logits=2)
+        assert batch.inputs.attention_groups is not None
+        assert [g.q_index.shape[0] for g in batch.inputs.attention_groups] == [3, 1]
+        out = pm.execute(batch)
+    finally:
+        _free(pm, ctxs)
+    for i, c in enumerate(ctxs):
+        want = hf_logits(hf, c.tokens)[[max(len(c.tokens) - 2 + k, len(c.tokens) - 1 if i < 3 else 0)
+                                         for k in range(2)]]
+        got = out.logits[out.logit_offsets[i] : out.logit_offsets[i + 1]]
+        diff = (got - want).abs().max().item()
+        assert diff <= TOL, f"{kind}: request {i} max |logit diff| {diff:.3g}"
+
+
+@pytest.mark.parametrize("kind, tie", CASES)
 def test_greedy_generate_parity(kind, tie, hf_checkpoint, hf_greedy, pipeline):
     """32 greedy tokens via Engine/PlainGeneration == HF generate(do_sample=False)."""
     from specdec.core.pipeline_model import PlainGeneration

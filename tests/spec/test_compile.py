@@ -19,34 +19,52 @@ from specdec.core.pipeline_model import RuntimeConfig
 from specdec.engine import EngineConfig
 from specdec.spec.proposers.draft_model import DraftModelConfig
 
+PROMPTS = [[3, 5, 7, 11, 13, 17, 19], [1, 2], [9] * 20, list(range(40))]
 
-def test_compiled_speculation_matches_eager(tiny_llama) -> None:
+
+def _run(tiny_llama, compile_: bool) -> tuple[list[list[int]], list[list[int]], object]:
+    """(plain tokens, speculative tokens, speculative counts) over PROMPTS, two at a time."""
     target = tiny_llama(vocab=64, seed=0)
     draft = tiny_llama(vocab=64, seed=0, perturb=0.01, perturb_seed=1)
-    prompts = [[3, 5, 7, 11, 13, 17, 19], [1, 2], [9] * 20, list(range(40))]
     sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
     method = DraftModelConfig(path=str(draft.path), num_speculative_tokens=3)
     ec = EngineConfig(max_batch_size=2)
-    runs = {}
-    for compile_ in (False, True):
-        rt = RuntimeConfig(max_batch_size=2, max_seq_len=96, compile=compile_)
-        plain = LLM(target.path, runtime=rt, engine_config=ec)
-        spec = LLM(target.path, method=method, runtime=rt, engine_config=ec)
-        if compile_:  # the modules that run are the compiled ones
-            assert plain.pipeline.target.module._compiled_call_impl is not None
-            assert spec.pipeline.module.target._compiled_call_impl is not None
-            assert spec.pipeline.module.drafter.decoder._compiled_call_impl is not None
-        runs[compile_] = (
-            [o.token_ids for o in plain.generate(prompts, sp)],
-            [o.token_ids for o in spec.generate(prompts, sp)],
-            spec.pipeline.stats().counts,
-        )
-    (eager_plain, eager_spec, eager_counts), (comp_plain, comp_spec, comp_counts) = runs[False], runs[True]
+    rt = RuntimeConfig(max_batch_size=2, max_seq_len=96, compile=compile_)
+    plain = LLM(target.path, runtime=rt, engine_config=ec)
+    spec = LLM(target.path, method=method, runtime=rt, engine_config=ec)
+    if compile_:  # the modules that run are the compiled ones
+        assert plain.pipeline.target.module._compiled_call_impl is not None
+        assert spec.pipeline.module.target._compiled_call_impl is not None
+        assert spec.pipeline.module.drafter.decoder._compiled_call_impl is not None
+    return ([o.token_ids for o in plain.generate(PROMPTS, sp)], [o.token_ids for o in spec.generate(PROMPTS, sp)],
+            spec.pipeline.stats().counts)
+
+
+def _check(eager, compiled) -> None:
+    (eager_plain, eager_spec, eager_counts), (comp_plain, comp_spec, comp_counts) = eager, compiled
     assert eager_spec == eager_plain
     assert comp_plain == eager_plain
     assert comp_spec == eager_plain
     assert comp_counts.accepted == eager_counts.accepted and comp_counts.proposed == eager_counts.proposed
     assert eager_counts.accepted > 0  # the drafter is a good one: the τ check has teeth
+
+
+def test_compiled_speculation_matches_eager(tiny_llama) -> None:
+    _check(_run(tiny_llama, False), _run(tiny_llama, True))
+
+
+@pytest.mark.slow  # (the groups' graphs compile in about a minute more)
+def test_compiled_attention_groups_match_eager(tiny_llama, monkeypatch) -> None:
+    # Every batch of two requests attends in two groups (DecoderInputs.attention_groups),
+    # as a prompt joining decoding requests does; these sizes are too small to cut unless made to.
+    from specdec.core import batch_processor
+
+    eager = _run(tiny_llama, False)
+    cuts: list[int | None] = []
+    monkeypatch.setattr(batch_processor, "attention_split", lambda lens, ctx: cuts.append(len(lens) - 1 or None)
+                        or cuts[-1])
+    _check(eager, _run(tiny_llama, True))
+    assert any(cuts)
 
 
 if __name__ == "__main__":  # pragma: no cover

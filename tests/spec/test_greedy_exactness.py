@@ -222,10 +222,20 @@ def test_ngram_drafts_are_accepted_on_a_repetitive_target(tiny_llama, generate) 
     assert c.tau > 1.3, c.summary()
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-group", "attention-groups"])
 @pytest.mark.parametrize("method", list(METHODS))
-def test_requests_join_and_leave(tiny_llama, generate, method) -> None:
+def test_requests_join_and_leave(tiny_llama, generate, method, grouped, monkeypatch) -> None:
     # 40 requests, at most 16 running: later ones join as earlier ones finish;
     # different max_new_tokens make them finish at different steps.
+    # grouped: every batch that can be cut in two attends in two groups (a
+    # joining prompt beside decoding requests; DecoderInputs.attention_groups);
+    # else none does.
+    from specdec.core import batch_processor
+
+    cuts: list[int | None] = []
+    split = batch_processor.attention_split
+    monkeypatch.setattr(batch_processor, "attention_split",
+                        lambda lens, ctx: cuts.append(split(lens, ctx, min_saving=0) if grouped else None) or cuts[-1])
     target = _target(tiny_llama, "loopy")
     ps = _rand_prompts(1, 40)
     rng = random.Random(2)
@@ -240,6 +250,7 @@ def test_requests_join_and_leave(tiny_llama, generate, method) -> None:
     assert [c.generated for c in ctxs] == ref
     assert max(engine.stats.step_batch_sizes) == 16
     assert [c.finish_reason for c in ctxs] == ["length"] * 40
+    assert any(c is not None for c in cuts) == grouped
 
 
 @pytest.mark.parametrize("method", list(METHODS))

@@ -141,7 +141,8 @@ class EagleDrafter(Drafter):
         # (A tree step keeps the target's tree_mask, rope positions and q_pos (key indices).)
         catch = replace(inp, tokens=nxt, slot_mapping=host.slot_mapping,
                         gather_slots=host.gather_slots[:, : host.catch_keys].contiguous(),
-                        logit_index=bonus_row, kv_cache=host.kv, capture_layers=(), all_hidden=False)
+                        logit_index=bonus_row, kv_cache=host.kv, capture_layers=(), all_hidden=False,
+                        attention_groups=None)  # (the groups hold the target's slots)
         h, logits = self.head(catch, self.head.project(step.rows, step.aux_rows))  # [B, H], [B, V]
         self.caught_up()
         if step.path is not None:  # the accepted path's head KV into place, as the target's
