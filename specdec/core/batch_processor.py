@@ -167,10 +167,12 @@ def _pack(
     lookahead: list[int],
     *,
     grouped: bool = True,
+    min_q: int = 1,
 ) -> tuple[DecoderInputs, torch.Tensor | None]:
     """Builds the index tensors of :class:`DecoderInputs` (see its worked example),
     and its ``attention_groups`` when one split saves most of the padding
-    (:func:`attention_split`; ``grouped=False``: never).
+    (:func:`attention_split`; ``grouped=False``: never). ``min_q``: pad the
+    queries to at least that many per request.
 
     Host-side arithmetic on tiny arrays: numpy, then zero-copy ``from_numpy``.
 
@@ -200,7 +202,7 @@ def _pack(
     p = np.arange(int(ctx_len.max()))
     gather_slots = tbl[:, p // bs] * bs + p % bs  # [B, S] slot of each position
     slot_mapping = gather_slots[req, positions]  # [T]
-    qi = np.arange(int(ln.max()))[None, :]  # [1, Q]
+    qi = np.arange(max(int(ln.max()), min_q))[None, :]  # [1, Q]
     q_index = offset[:, None] + np.minimum(qi, ln[:, None] - 1)  # [B, Q]
     q_pos = np.where(qi < ln[:, None], start[:, None] + qi, 0)  # [B, Q]
     out_index = req * qi.shape[1] + local  # [T]
@@ -232,11 +234,12 @@ def _pack(
     cut = attention_split(lens, [int(x) for x in ctx_len]) if grouped else None
     if cut is not None:
         rows = int(offset[cut])
-        # Each group takes the general path (explicit mask, even for one request): fewer
+        # Each group takes the general path (explicit mask, even for one request; at least
+        # two queries per request, the second a padding one for a decode step): fewer
         # kinds of batch for a compiled model to meet (each compiles a graph of its own).
         inputs.attention_groups = [
             replace(_pack(tokens_list[r0:r1], starts[a:z], lens[a:z], tables[a:z], bs, 1, [0] * (z - a),
-                          grouped=False)[0], single_request=False, mask=MaskKind.EXPLICIT)
+                          grouped=False, min_q=2)[0], single_request=False, mask=MaskKind.EXPLICIT)
             for a, z, r0, r1 in ((0, cut, 0, rows), (cut, b, rows, t))
         ]
     return inputs, draft_index

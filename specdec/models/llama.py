@@ -203,8 +203,11 @@ class GroupedAttend:
         return any(g.rows_meet for g in self.groups)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        parts = zip(self.groups, q.split(self.sizes), k.split(self.sizes), v.split(self.sizes))
-        return torch.cat([g(layer, qg, kg, vg) for g, qg, kg, vg in parts])
+        outs, start = [], 0
+        for g, n in zip(self.groups, self.sizes):  # (slices: ``split`` would fix the sizes in a compiled graph)
+            outs.append(g(layer, q[start : start + n], k[start : start + n], v[start : start + n]))
+            start = start + n
+        return torch.cat(outs)
 
 
 def paged_attend(inputs: DecoderInputs, cache: KVCacheTensors, window: int | None,

@@ -325,7 +325,7 @@ def test_a_prompt_beside_decoding_requests_attends_in_its_own_group():
     inp = p.prepare_initial_token_inputs([decoding + [prompt]]).inputs
     assert inp.attention_groups is not None
     first, second = inp.attention_groups
-    assert first.q_index.shape == (3, 1) and second.q_index.shape == (1, 150)
+    assert first.q_index.shape == (3, 2) and second.q_index.shape == (1, 150)  # (decoding: one padding query)
     assert first.gather_slots.shape == (3, 61) and second.gather_slots.shape == (1, 150)
     assert not second.single_request and second.mask.name == "EXPLICIT"  # (the general path, one kind)
     # The groups' rows, in order, are the batch's rows; each group's indices count from its own first row.
