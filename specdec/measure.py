@@ -28,12 +28,14 @@ JSON line, with the :func:`machine` it ran on), the shipped model pair
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import gc
 import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import tempfile
 import time
@@ -407,6 +409,13 @@ def zoo_drafter(name: str) -> Path | None:
     return d if (d / "model.safetensors").is_file() else None
 
 
+def scratch_dir(prefix: str) -> Path:
+    """A new temporary dir, removed when the process exits (random checkpoints for a bench run)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def random_head(target: Path, kind: str, seed: int = 0) -> Path:
     """A random EAGLE head (``kind`` eagle / eagle3) for ``target``, saved in its published layout."""
     from specdec.core.checkpoint import read_hf_config
@@ -415,13 +424,14 @@ def random_head(target: Path, kind: str, seed: int = 0) -> Path:
 
     tcfg = LlamaConfig.from_dict(read_hf_config(target))
     head = new_head(EagleHeadConfig.from_target(kind, tcfg), seed)
-    return save_head(head, Path(tempfile.mkdtemp(prefix=f"specdec-{kind}-")),
+    return save_head(head, scratch_dir(f"specdec-{kind}-"),
                      num_target_layers=tcfg.num_hidden_layers)[0].parent
 
 
 def random_checkpoint(*, layers: int, hidden: int = 256, vocab: int = 4096, seed: int = 0,
                       heads: int = 8, kv_heads: int = 4, out: Path | None = None) -> Path:
-    """Saves a random Llama checkpoint in HF format (with transformers) and returns its dir."""
+    """Saves a random Llama checkpoint in HF format (with transformers) and returns its dir
+    (``out``, or a :func:`scratch_dir`)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -430,7 +440,7 @@ def random_checkpoint(*, layers: int, hidden: int = 256, vocab: int = 4096, seed
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
         tie_word_embeddings=True, initializer_range=0.3,
     )
-    out = out or Path(tempfile.mkdtemp(prefix="specdec-bench-"))
+    out = out or scratch_dir("specdec-bench-")
     LlamaForCausalLM(cfg).save_pretrained(out)
     return out
 

@@ -309,3 +309,18 @@ def test_step_breakdown_sets_each_phase_beside_its_bare_cost() -> None:
     # A drafter without a catch-up (Medusa's heads): all γ forwards under draft_steps.
     no_catch = RunStats(phase_s=ph | {"draft_catch_up": 0.0}, spec_steps=2)
     assert step_breakdown(no_catch, 0.08, bare, gamma=4)["phases"]["draft_steps"] == [6.0, 4.0]
+
+
+def test_bench_checkpoints_in_scratch_dirs_go_when_the_process_exits() -> None:
+    # Benches on random targets save checkpoints and heads per run; they must not pile up in /tmp.
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    code = ("from specdec.measure import scratch_dir\n"
+            "d = scratch_dir('specdec-test-'); (d / 'model.safetensors').write_bytes(b'x'); print(d)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    made = out.stdout.strip().splitlines()[-1]
+    assert made.startswith(tempfile.gettempdir()) and "specdec-test-" in made
+    assert not os.path.exists(made)
