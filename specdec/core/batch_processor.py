@@ -231,7 +231,7 @@ def _pack(
         # One request: its gathered keys are exactly its context.
         mask=_mask_kind(b, t, starts[0]),
     )
-    cut = attention_split(lens, [int(x) for x in ctx_len]) if grouped else None
+    cut = attention_split(ln, ctx_len) if grouped else None
     if cut is not None:
         rows = int(offset[cut])
         # Each group takes the general path (explicit mask, even for one request; at least
@@ -245,7 +245,8 @@ def _pack(
     return inputs, draft_index
 
 
-def attention_split(lens: Sequence[int], ctx_lens: Sequence[int], *, min_saving: int = 16384) -> int | None:
+def attention_split(lens: Sequence[int] | np.ndarray, ctx_lens: Sequence[int] | np.ndarray, *,
+                    min_saving: int = 16384) -> int | None:
     """Where to cut a packed batch in two for attention, or None.
 
     One group pads every request to the batch's most rows ``Q`` and longest
@@ -261,15 +262,17 @@ def attention_split(lens: Sequence[int], ctx_lens: Sequence[int], *, min_saving:
     4 · 100 · 140 = 56000 pairs; cut at 3: 3 · 1 · 140 + 1 · 100 · 100 = 10420.
     """
     b = len(lens)
-    if b < 2:
+    q, s = np.asarray(lens, dtype=np.int64), np.asarray(ctx_lens, dtype=np.int64)
+    whole = b * int(q.max()) * int(s.max()) if b else 0
+    if b < 2 or whole < min_saving:
         return None
-    whole = b * max(lens) * max(ctx_lens)
-    best, cut = whole, None
-    for k in range(1, b):
-        cost = k * max(lens[:k]) * max(ctx_lens[:k]) + (b - k) * max(lens[k:]) * max(ctx_lens[k:])
-        if cost < best:
-            best, cut = cost, k
-    return cut if cut is not None and 2 * best <= whole and whole - best >= min_saving else None
+    # Cut k: requests [0, k) padded to their own Q and S, [k, B) to theirs (running maxima).
+    k = np.arange(1, b)
+    head = k * np.maximum.accumulate(q)[:-1] * np.maximum.accumulate(s)[:-1]
+    tail = (b - k) * np.maximum.accumulate(q[::-1])[::-1][1:] * np.maximum.accumulate(s[::-1])[::-1][1:]
+    i = int(np.argmin(head + tail))
+    best = int(head[i] + tail[i])
+    return i + 1 if 2 * best <= whole and whole - best >= min_saving else None
 
 
 def _mask_kind(num_requests: int, num_tokens: int, first_start: int) -> MaskKind:
