@@ -14,7 +14,7 @@ protocol.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -332,7 +332,18 @@ def compile_decoder(module: nn.Module) -> None:
     # limit (default 8) or later shapes silently fall back to eager.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     on_cpu = all(p.device.type == "cpu" for p in module.parameters())
-    module.compile(dynamic=True, options={"cpp_wrapper": True} if on_cpu else None)
+    module.compile(dynamic=True, options=_compile_options(on_cpu))
+
+
+def _compile_options(on_cpu: bool) -> dict[str, Any] | None:
+    return {"cpp_wrapper": True} if on_cpu else None
+
+
+def compile_function(fn: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
+    """``fn`` under ``torch.compile`` as :func:`compile_decoder` compiles a decoder (shapes
+    dynamic, Inductor's C++ wrapper on CPU). A decoder called inside ``fn`` is traced
+    into ``fn``'s graph: several forwards become one call."""
+    return torch.compile(fn, dynamic=True, options=_compile_options(device.type == "cpu"))
 
 
 def keep_large_allocations() -> bool:
