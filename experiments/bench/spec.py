@@ -166,9 +166,10 @@ def main(argv: list[str]) -> None:
                             compile=cfg.compile, threads=cfg.threads)
     engine_cfg = EngineConfig(max_batch_size=cfg.batch_size)
     sp = SamplingParams(max_new_tokens=cfg.new_tokens, ignore_eos=True)
-    # One whole request (compiled: every graph kind the timed passes meet compiles here, the
-    # full γ's first steps and the shorter last ones alike).
-    warm = sp
+    # Eager: one whole request. Compiled: a whole untimed pass, so that every graph kind the
+    # timed passes meet (mask kinds, the full γ's fused steps, shorter last steps) compiles there.
+    warm = SamplingParams(max_new_tokens=cfg.new_tokens, ignore_eos=True)
+    warm_prompts = prompts if cfg.compile else prompts[:1]
 
     paths = {n: drafter_path(n, cfg, target, draft) for n in cfg.proposers}
     takes_path = {n for n in cfg.proposers if any(f.name == "path" for f in dataclasses.fields(config_class(n)))}
@@ -183,7 +184,7 @@ def main(argv: list[str]) -> None:
     llms = {"plain": LLM(target, runtime=runtime, engine_config=engine_cfg)}
     llms |= {k: LLM(target, method=method(n, g, paths[n], cfg), runtime=runtime, engine_config=engine_cfg)
              for k, (n, g) in grid.items()}
-    runs = {k: Run(lambda llm=llm: llm.generate(prompts, sp), warmup=lambda llm=llm: llm.generate(prompts[:1], warm),
+    runs = {k: Run(lambda llm=llm: llm.generate(prompts, sp), warmup=lambda llm=llm: llm.generate(warm_prompts, warm),
                    before=llm.pipeline.reset_stats) for k, llm in llms.items()}
     timing = interleave(runs, baseline="plain", repeats=cfg.repeats)
     plain_ids = [o.token_ids for o in timing.last("plain")]

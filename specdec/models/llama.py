@@ -404,14 +404,16 @@ class LlamaDecoder(RopeTables, DecoderModule):
         """Runs every layer; returns the final-norm output and, for each layer in
         ``capture``, its input at ``rows`` ([N, d] each; ``capture`` may name
         ``num_layers``: the last layer's output before the final norm)."""
-        seen: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            if i in capture:
-                seen[i] = x if rows is None else x[rows]
-            x = layer(x, cos, sin, attend)
-        if self.num_layers in capture:
-            seen[self.num_layers] = x if rows is None else x[rows]
-        return self.model.norm(x), [seen[i] for i in capture]
+        # (A list filled by position, not a dict keyed by layer: dynamo mis-traced the
+        # dict, a KeyError that sent the whole compiled forward back to eager.)
+        seen: list[torch.Tensor | None] = [None] * len(capture)
+        for i, layer in enumerate([*self.model.layers, None]):
+            for k, c in enumerate(capture):
+                if c == i:
+                    seen[k] = x if rows is None else x[rows]
+            if layer is not None:
+                x = layer(x, cos, sin, attend)
+        return self.model.norm(x), [h for h in seen if h is not None]
 
     def forward(self, inputs: DecoderInputs) -> DecoderOutputs:
         """Packed ragged forward over the paged cache in ``inputs.kv_cache``."""

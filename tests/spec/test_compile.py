@@ -108,8 +108,16 @@ def test_compiled_eagle_heads_draft_what_eager_ones_draft(tiny_llama, monkeypatc
         drafts.clear()
         rt = RuntimeConfig(max_batch_size=2, max_seq_len=96, compile=compile_)
         spec = LLM(target.path, method=method, runtime=rt, engine_config=EngineConfig(max_batch_size=2))
+        fused_calls: list[int] = []
         if compile_:
             assert spec.pipeline.proposer.head._compiled_call_impl is not None
+            drafter = spec.pipeline.proposer.drafter  # its full-γ steps run as one compiled graph
+            fused = drafter._fused
+            drafter._fused = lambda *a: fused_calls.append(1) or fused(*a)
         runs[compile_] = ([o.token_ids for o in spec.generate(prompts, sp)], list(drafts))
+        if compile_:
+            assert len(fused_calls) >= 3
+            fused_calls.clear()  # the limit's T_draft(1) times the fused steps
+            assert spec.pipeline.proposer.draft_forward_time(24, repeats=2) > 0 and fused_calls
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] == runs[False][1] and len(runs[False][1]) > 10

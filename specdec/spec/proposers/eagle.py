@@ -50,7 +50,7 @@ from specdec.core.checkpoint import load_decoder
 from specdec.core.context import TextContext
 from specdec.core.inputs import DecoderInputs, KVCacheTensors, MaskKind
 from specdec.core.kv_cache import BlockTable, KVCacheParams, PagedKVCache, block_table_array
-from specdec.core.pipeline_model import compile_decoder
+from specdec.core.pipeline_model import compile_decoder, compile_function
 from specdec.core.registry import Role
 from specdec.models.eagle import EagleHead, check_head_fits
 from specdec.sampling import LANE_DRAFT, SamplingTensors, greedy_tokens, probs_from_logits, sample_from
@@ -100,8 +100,9 @@ class EagleStepInputs:
     catch_keys: int  # host: keys the catch-up reads (the target's gather width)
     fix_rows: torch.Tensor | None  # [C] last packed row of each non-final prefill chunk
     fix_tokens: torch.Tensor | None  # [C] the prompt token after it
-    rows: torch.Tensor  # [B] 0..B-1 (the one-token steps' index tensors)
-    q_index: torch.Tensor  # [B, 1]
+    # The one-token steps' index tensors, 0..B-1 each, distinct (a compiled head guards on
+    # its inputs aliasing each other: calls that alias differently compile again).
+    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # out_index [B], logit_index [B], q_index [B, 1]
     tree_slots: torch.Tensor | None = None  # [B, R] a tree's scratch slots, past every fed row (trees only)
     max_ctx: int = 0  # host: the most keys a request holds after the catch-up (trees)
 
@@ -109,18 +110,17 @@ class EagleStepInputs:
 class EagleDrafter(Drafter):
     """Device half: the head as a submodule (target embedding / lm_head borrowed)."""
 
-    def __init__(self, head: EagleHead, tree: TreeConfig | None = None) -> None:
+    def __init__(self, head: EagleHead, tree: TreeConfig | None = None, *, max_gamma: int = 0,
+                 fuse_on: torch.device | None = None) -> None:
         super().__init__()
         self.head = head
         self.tree = tree if tree is not None and tree.is_tree else None
+        self.max_gamma = max_gamma
+        # ``fuse_on`` (compiled heads): a greedy chain of the method's γ runs its γ - 1
+        # one-token steps as one compiled graph, as a draft model's does (draft_model.py).
+        self._fused = (compile_function(self._greedy_steps, fuse_on)
+                       if fuse_on is not None and self.tree is None else None)
         self._static: dict[int, Any] = {}  # static tree cut to n nodes -> its tensors and host facts
-
-    def _pick(self, logits: torch.Tensor, sampling: SamplingTensors, pos: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if sampling.all_greedy:
-            return greedy_tokens(logits), None
-        p = probs_from_logits(logits.unsqueeze(1), sampling).squeeze(1)  # [B, V]
-        return sample_from(p, sampling.seeds, pos, LANE_DRAFT), p
 
     def draft_after(self, step: TargetStep, gamma: int, sampling: SamplingTensors) -> DraftTree:
         host: EagleStepInputs = step.host
@@ -140,7 +140,7 @@ class EagleDrafter(Drafter):
             nxt = nxt.index_put((host.fix_rows,), host.fix_tokens)
         # (A tree step keeps the target's tree_mask, rope positions and q_pos (key indices).)
         catch = replace(inp, tokens=nxt, slot_mapping=host.slot_mapping,
-                        gather_slots=host.gather_slots[:, : host.catch_keys].contiguous(),
+                        gather_slots=_fresh(host.gather_slots[:, : host.catch_keys]),
                         logit_index=bonus_row, kv_cache=host.kv, capture_layers=(), all_hidden=False,
                         attention_groups=None)  # (the groups hold the target's slots)
         h, logits = self.head(catch, self.head.project(step.rows, step.aux_rows))  # [B, H], [B, V]
@@ -155,26 +155,41 @@ class EagleDrafter(Drafter):
             if self.tree.kind == "dynamic":
                 return self._dynamic_tree(host, pos0, h, logits, gamma)
             return self._static_tree(host, pos0, h, logits, gamma)
+        # Step j feeds the pair (own state, draft j) at position pos0 + 1 + j; its keys run
+        # through the bound any request may reach, masked past its own.
+        gather = host.gather_slots[:, : host.catch_keys + max(gamma - 1, 0)]
+        assert gather.shape[1] == host.catch_keys + max(gamma - 1, 0), "prepare_after packs γ - 1 draft positions"
+        if sampling.all_greedy:
+            fused = self._fused is not None and gamma == self.max_gamma > 1
+            steps = self._fused if fused else self._greedy_steps
+            return DraftTree.chain(steps(logits, h, pos0, _fresh(gather), host.kv, *host.rows,
+                                         gamma), None)
         toks, probs = [], []
         for j in range(gamma):
-            t, p = self._pick(logits, sampling, pos0 + 2 + j)  # draft j takes position pos0 + 2 + j
+            p = probs_from_logits(logits.unsqueeze(1), sampling).squeeze(1)  # [B, V]
+            t = sample_from(p, sampling.seeds, pos0 + 2 + j, LANE_DRAFT)  # draft j takes position pos0 + 2 + j
             toks.append(t)
-            if p is not None:
-                probs.append(p)
+            probs.append(p)
             if j + 1 < gamma:
-                # (2) the pair (own state, draft j) at position pos0 + 1 + j; keys
-                # through the bound any request may reach, masked past its own.
-                pos = pos0 + 1 + j
-                n_keys = host.catch_keys + j + 1
-                one = DecoderInputs(
-                    tokens=t, positions=pos,
-                    slot_mapping=host.gather_slots.gather(1, pos.unsqueeze(1)).squeeze(1),
-                    gather_slots=host.gather_slots[:, :n_keys].contiguous(),
-                    q_index=host.q_index, q_pos=pos.unsqueeze(1), out_index=host.rows, logit_index=host.rows,
-                    kv_cache=host.kv, single_request=b == 1, mask=MaskKind.EXPLICIT,
-                )
+                one = _one_token_step(t, pos0 + 1 + j, gather, host.catch_keys + j + 1, host.kv, *host.rows)
                 h, logits = self.head(one, h)
-        return DraftTree.chain(torch.stack(toks, 1), torch.stack(probs, 1) if probs else None)
+        return DraftTree.chain(torch.stack(toks, 1), torch.stack(probs, 1))
+
+    def _greedy_steps(self, logits: torch.Tensor, h: torch.Tensor, pos0: torch.Tensor, gather: torch.Tensor,
+                      kv: KVCacheTensors, rows: torch.Tensor, logit_rows: torch.Tensor, q_index: torch.Tensor,
+                      gamma: int) -> torch.Tensor:
+        """Greedy γ drafts [B, γ] from the catch-up's ``logits`` [B, V] and state ``h`` [B, H],
+        the bonus rows at ``pos0`` [B]; ``gather`` [B, K + γ - 1]: head slots through the
+        last step's keys (K: the catch-up's). Tensors in but γ, for ``torch.compile`` to take whole."""
+        keys = gather.shape[1] - (gamma - 1)
+        t = greedy_tokens(logits)
+        toks = [t]
+        for j in range(gamma - 1):
+            h, logits = self.head(_one_token_step(t, pos0 + 1 + j, gather, keys + j + 1, kv, rows, logit_rows,
+                                                   q_index), h)
+            t = greedy_tokens(logits)
+            toks.append(t)
+        return torch.stack(toks, 1)
 
     # -- token trees ----------------------------------------------------------------
     def _run_nodes(self, host: EagleStepInputs, pos0: torch.Tensor, tokens: torch.Tensor, feature: torch.Tensor,
@@ -278,6 +293,7 @@ class EagleProposer(Proposer):
                 self.tree_facts = (shape[5], shape[6])
         target, rt = deps.target, deps.runtime
         tcfg = target.config
+        self.vocab_size = tcfg.vocab_size
         dtype = getattr(torch, rt.dtype) if rt.dtype else None
         loaded = load_decoder(config.path, role=Role.DRAFT_HEAD, dtype=dtype, device=rt.device,
                               check=lambda c: check_head_fits(c, tcfg, repr(config.path)))
@@ -313,8 +329,8 @@ class EagleProposer(Proposer):
                                                 device=rt.device), "eagle")
         self.device = torch.device(rt.device)
         self.target_cache = target.cache_name
-        self.drafter = EagleDrafter(head, self.tree)
-        self._index: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.drafter = EagleDrafter(head, self.tree, max_gamma=g, fuse_on=self.device if rt.compile else None)
+        self._index: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     # -- KV bookkeeping ----------------------------------------------------------------
     def _table(self, ctx: TextContext) -> BlockTable:
@@ -348,6 +364,13 @@ class EagleProposer(Proposer):
             self.cache.free(table)
 
     # -- host packing --------------------------------------------------------------------
+    def _rows(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """EagleStepInputs.rows for ``b`` requests (made once per size)."""
+        if b not in self._index:
+            self._index[b] = (torch.arange(b, device=self.device), torch.arange(b, device=self.device),
+                              torch.arange(b, device=self.device).unsqueeze(1))
+        return self._index[b]
+
     def prepare_after(self, batch: list[TextContext], packed: PackedBatch, gamma: int) -> EagleStepInputs:
         ln = np.asarray([n + a for n, a in zip(packed.num_new, packed.lookahead)], dtype=np.int64)  # [B] rows fed
         tables = [self._table(c) for c in batch]
@@ -374,8 +397,7 @@ class EagleProposer(Proposer):
                 fix_rows.append(int(end[i]) - 1)
                 fix_tokens.append(c.tokens[s + n])
         b = len(batch)
-        rows_, q_index = self._index.get(b) or self._index.setdefault(
-            b, (torch.arange(b, device=self.device), torch.arange(b, device=self.device).unsqueeze(1)))
+        index = self._rows(b)
         dev = self.device
         tree_slots = None
         if self.tree is not None:  # a tree's scratch rows: past every row fed this step (never a committed key)
@@ -388,38 +410,52 @@ class EagleProposer(Proposer):
             catch_keys=int(packed.inputs.gather_slots.shape[1]),
             fix_rows=torch.tensor(fix_rows, dtype=torch.long, device=dev) if fix_rows else None,
             fix_tokens=torch.tensor(fix_tokens, dtype=torch.long, device=dev) if fix_rows else None,
-            rows=rows_, q_index=q_index, tree_slots=tree_slots, max_ctx=int(ctx_len.max()),
+            rows=index, tree_slots=tree_slots, max_ctx=int(ctx_len.max()),
         )
 
     # -- cost ------------------------------------------------------------------------------
+    def draft_forward_time(self, ctx_len: int, repeats: int = 10) -> float:
+        """T_draft(1) of the analytic limit: a bare one-token step of the head, or, where the
+        method's γ drafts its steps in one compiled graph, what a draft costs that way:
+        (one step + the fused γ - 1 steps) / γ (the limit charges γ · T_draft(1))."""
+        one = self._step_time(ctx_len, repeats)
+        g = self.config.num_speculative_tokens
+        if self.drafter._fused is None or g < 2:
+            return one
+        return (one + self._step_time(ctx_len, repeats, fused=g)) / g
+
+    def draft_cost(self, batch_size: int, context_len: int) -> float:
+        return self._step_time(max(context_len, 1), repeats=7, requests=max(batch_size, 1), stat="min")
+
     @torch.inference_mode()
-    def draft_forward_time(self, ctx_len: int, repeats: int = 10, *, requests: int = 1,
-                           stat: str = "median") -> float:
-        """A bare one-token draft step of the head for ``requests`` requests at context ``ctx_len``."""
+    def _step_time(self, ctx_len: int, repeats: int, *, requests: int = 1, stat: str = "median",
+                   fused: int = 0) -> float:
+        """Seconds of a bare one-token step of the head for ``requests`` requests at context
+        ``ctx_len``; ``fused=γ``: of the fused γ - 1 steps (EagleDrafter._greedy_steps) instead."""
         tables = [BlockTable() for _ in range(requests)]
         try:
+            width = ctx_len + max(fused - 1, 0)
             for table in tables:
-                self.cache.reserve(table, ctx_len)
+                self.cache.reserve(table, width)
             bs = self.cache.block_size
-            p = torch.arange(ctx_len)
+            p = torch.arange(width)
             gather = torch.stack([torch.tensor(t.blocks)[p // bs] * bs + p % bs for t in tables])  # [B, S]
             gather = gather.to(self.device)
             b = requests
-            rows = torch.arange(b, device=self.device)
+            rows = self._rows(b)  # the loop's index tensors, aliased as there
             pos = torch.full((b,), ctx_len - 1, device=self.device)
-            inp = DecoderInputs(tokens=torch.zeros(b, dtype=torch.long, device=self.device), positions=pos,
-                                slot_mapping=gather[:, -1], gather_slots=gather, q_index=rows.unsqueeze(1),
-                                q_pos=pos.unsqueeze(1), out_index=rows, logit_index=rows, kv_cache=self.cache.tensors,
-                                single_request=b == 1, mask=MaskKind.EXPLICIT)
-            feat = torch.zeros(b, self.head.config.hidden_size, device=self.device,
-                               dtype=next(self.head.parameters()).dtype)
-            return time_calls(lambda: self.head(inp, feat), torch.device(self.device), repeats=repeats, stat=stat)
+            dtype = next(self.head.parameters()).dtype
+            feat = torch.zeros(b, self.head.config.hidden_size, device=self.device, dtype=dtype)
+            if fused:
+                logits = torch.zeros(b, self.vocab_size, device=self.device, dtype=dtype)
+                args = (logits, feat, pos, gather, self.cache.tensors, *rows, fused)
+                return time_calls(lambda: self.drafter._fused(*args), self.device, repeats=repeats, stat=stat)
+            inp = _one_token_step(torch.zeros(b, dtype=torch.long, device=self.device), pos, gather, ctx_len,
+                                  self.cache.tensors, *rows)
+            return time_calls(lambda: self.head(inp, feat), self.device, repeats=repeats, stat=stat)
         finally:
             for table in tables:
                 self.cache.free(table)
-
-    def draft_cost(self, batch_size: int, context_len: int) -> float:
-        return self.draft_forward_time(max(context_len, 1), repeats=7, requests=max(batch_size, 1), stat="min")
 
 
 @register_proposer("eagle3", Eagle3Config)
@@ -427,3 +463,21 @@ class Eagle3Proposer(EagleProposer):
     """EAGLE-3: the same drafting, a head that fuses three target layers."""
 
     kind = "eagle3"
+
+
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy: a compiled head guards on strides, and a view's (even one
+    ``contiguous()`` keeps, at B = 1) would compile another graph."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _one_token_step(tokens: torch.Tensor, pos: torch.Tensor, gather: torch.Tensor, n_keys: Any,
+                    kv: KVCacheTensors, rows: torch.Tensor, logit_rows: torch.Tensor,
+                    q_index: torch.Tensor) -> DecoderInputs:
+    """The head's one-token step: ``tokens`` [B] at ``pos`` [B], written to their head slot
+    in ``gather`` [B, S], reading its first ``n_keys`` keys (masked past each request's own)."""
+    return DecoderInputs(
+        tokens=tokens, positions=pos, slot_mapping=gather.gather(1, pos.unsqueeze(1)).squeeze(1),
+        gather_slots=_fresh(gather[:, :n_keys]), q_index=q_index, q_pos=pos.unsqueeze(1), out_index=rows,
+        logit_index=logit_rows, kv_cache=kv, single_request=tokens.shape[0] == 1, mask=MaskKind.EXPLICIT,
+    )
