@@ -13,6 +13,7 @@ module is one test over one tiny pair (and one over an EAGLE-3 head).
 from __future__ import annotations
 
 import pytest
+from torch._dynamo.utils import counters
 
 from specdec.api import LLM
 from specdec.core.context import SamplingParams
@@ -33,6 +34,7 @@ def _run(tiny_llama, compile_: bool) -> tuple[list[list[int]], list[list[int]], 
     rt = RuntimeConfig(max_batch_size=2, max_seq_len=96, compile=compile_)
     plain = LLM(target.path, runtime=rt, engine_config=ec)
     spec = LLM(target.path, method=method, runtime=rt, engine_config=ec)
+    counters.clear()
     if compile_:  # the modules that run are the compiled ones
         assert plain.pipeline.target.module._compiled_call_impl is not None
         assert spec.pipeline.module.target._compiled_call_impl is not None
@@ -45,6 +47,8 @@ def _run(tiny_llama, compile_: bool) -> tuple[list[list[int]], list[list[int]], 
            spec.pipeline.stats().counts)
     if compile_:
         assert len(fused_calls) >= 4  # every request's first steps draft the full γ
+        # ... and traced whole: a graph break would run the fused steps piece by piece.
+        assert not counters["graph_break"] and not counters["unimplemented"], dict(counters["unimplemented"])
         # The analytic limit charges a draft what it costs this way: the fused steps are timed.
         fused_calls.clear()
         assert spec.pipeline.proposer.draft_forward_time(24, repeats=2) > 0 and fused_calls
@@ -104,6 +108,7 @@ def test_compiled_eagle_heads_draft_what_eager_ones_draft(tiny_llama, monkeypatc
 
     monkeypatch.setattr(EagleDrafter, "draft_after", spy)
     runs = {}
+    counters.clear()
     for compile_ in (False, True):
         drafts.clear()
         rt = RuntimeConfig(max_batch_size=2, max_seq_len=96, compile=compile_)
@@ -121,3 +126,6 @@ def test_compiled_eagle_heads_draft_what_eager_ones_draft(tiny_llama, monkeypatc
             assert spec.pipeline.proposer.draft_forward_time(24, repeats=2) > 0 and fused_calls
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] == runs[False][1] and len(runs[False][1]) > 10
+    # Every compiled function ran whole: a graph break (the target's captured layers once
+    # raised one) sends a frame back to eager and compiles its pieces one by one.
+    assert not counters["graph_break"] and not counters["unimplemented"], dict(counters["unimplemented"])
