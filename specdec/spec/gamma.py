@@ -7,7 +7,8 @@ expected tokens per second for the batch at hand:
     cost(γ)      = T_target(B, γ+1) + γ · T_draft(B)    # measured bare forward times
 
 ``T_target(B, n)`` is a forward of ``B`` requests feeding ``n`` tokens each and
-``T_draft(B)`` one drafting forward of ``B`` requests, both timed as they run:
+``T_draft(B)`` one drafting forward of ``B`` requests (at the method's full γ, what
+a draft costs there: a compiled drafter runs those steps as one graph), both timed as they run:
 ``B`` contexts read, not one request of ``B · n`` tokens (which underrated a
 batch-64 step enough that speculation switched on there and lost 9%).
 γ = 0 is plain decoding (B tokens for T_target(B, 1)), so speculation is turned
@@ -134,6 +135,7 @@ def choose_gamma(
     *,
     catch_up_s: float = 0.0,
     remaining_tokens: float = float("inf"),
+    fused: tuple[int, Callable[[int], float]] | None = None,
 ) -> int:
     """The γ in 0 … ``max_gamma`` with the most expected tokens per second;
     0 (plain decoding) unless the best γ beats it by ``min_gain``.
@@ -144,12 +146,16 @@ def choose_gamma(
     ``remaining_tokens``: a speculative rate r then counts as
     ``R / (catch_up_s + R / r)``. Short outputs of long prompts stay plain.
     Example: R = 32 tokens, plain 1 token/ms, speculation 2 tokens/ms after a
-    20 ms catch-up: 32 / (20 + 16) = 0.89 tokens/ms, so plain wins."""
+    20 ms catch-up: 32 / (20 + 16) = 0.89 tokens/ms, so plain wins.
+
+    ``fused = (G, t)``: at γ = G a draft costs ``t(B)`` instead of ``t_draft(B)``
+    (a compiled drafter runs the method's full γ as one graph, cheaper per draft)."""
     b = len(accept)
     plain = b / t_target(b, 1)
     best, best_rate = 0, plain
     for g in range(1, max_gamma + 1):
-        rate = expected_tokens(accept, g) / (t_target(b, g + 1) + g * t_draft(b))
+        per_draft = fused[1](b) if fused is not None and g == fused[0] else t_draft(b)
+        rate = expected_tokens(accept, g) / (t_target(b, g + 1) + g * per_draft)
         if catch_up_s > 0:
             rate = remaining_tokens / (catch_up_s + remaining_tokens / rate)
         if rate > best_rate:

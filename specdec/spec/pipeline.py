@@ -395,6 +395,7 @@ class SpecDecodePipelineModel:
         self._drafter_running = [0, 0]  # the same over every request so far (adaptive γ's prior)
         self._curves: tuple[TargetCost, CostCurve] | None = None
         self._catch_up: CostCurve | None = None  # seconds for the drafter to read n unseen tokens
+        self._full_gamma: tuple[int, CostCurve] | None = None  # (method γ, T_draft(B) there) when it differs
         self._greedy: dict[int, SamplingTensors] = {}  # all-greedy sampling tensors per batch size
         if config.gamma_policy.adaptive:  # calibrate now, while the KV cache is empty
             self._cost_curves()
@@ -560,6 +561,9 @@ class SpecDecodePipelineModel:
             tt = TargetCost.measure(lambda b, n: forward_time(self.target, n, max(ctx, n), repeats=7, stat="min",
                                                               requests=b), bpts, g + 1)
             td = CostCurve(lambda b: self.proposer.draft_cost(b, ctx), bpts)
+            # A compiled drafter's full γ runs as one graph: cheaper per draft (gamma.choose_gamma).
+            full = {b: self.proposer.full_gamma_draft_cost(b, ctx) for b in bpts}
+            fc = CostCurve(lambda b: full[b] or 0.0, bpts) if None not in full.values() else None
             # A drafter's one-time read of a prompt it has not seen (one request, n tokens).
             npts = sorted({min(n, rt.max_seq_len - 1) for n in (16, 64, 256, 1024)})
             tc = CostCurve(self.proposer.catch_up_cost, npts)
@@ -567,10 +571,13 @@ class SpecDecodePipelineModel:
             # each step's forwards together): all take rank 0's measured curves.
             from specdec.dist.group import current
 
-            tt.one.times, tt.most.times, td.times, tc.times = current().broadcast_object(
-                (tt.one.times, tt.most.times, td.times, tc.times))
+            tt.one.times, tt.most.times, td.times, tc.times, full_times = current().broadcast_object(
+                (tt.one.times, tt.most.times, td.times, tc.times, fc and fc.times))
+            if fc is not None:
+                fc.times = full_times
             self._curves = (tt, td)
             self._catch_up = tc
+            self._full_gamma = (self.config.num_speculative_tokens, fc) if fc is not None else None
         return self._curves
 
     def _policy_gamma(self, batch: list[TextContext], gammas: list[int]) -> int:
@@ -585,7 +592,8 @@ class SpecDecodePipelineModel:
             extra = sum(u for u in map(self.proposer.unseen_tokens, batch) if u > max(gammas) + 1)
             catch_up = self._catch_up(extra) if extra else 0.0
         remaining = sum(max(1, c.sampling.max_new_tokens - c.num_generated) for c in batch)
-        g = choose_gamma(accept, max(gammas), tt, td, pol.min_gain, catch_up_s=catch_up, remaining_tokens=remaining)
+        g = choose_gamma(accept, max(gammas), tt, td, pol.min_gain, catch_up_s=catch_up, remaining_tokens=remaining,
+                         fused=self._full_gamma)
         return pol.explore(g, max(gammas), seen[1])
 
     def _spec_step(self, batch: list[TextContext],

@@ -65,6 +65,13 @@ def test_choose_gamma() -> None:
     assert choose_gamma([0.5], 1, flat, free) == 1
     assert choose_gamma([0.5], 1, flat, free, catch_up_s=20.0, remaining_tokens=32) == 0
     assert choose_gamma([0.5], 1, flat, free, catch_up_s=20.0, remaining_tokens=320) == 1
+    # A drafter whose full γ (here 4) is cheaper per draft (compiled, fused) is charged that there:
+    # a = 0.8, drafts 0.25 each: γ=2 gives 2.44 / 1.5 = 1.63, γ=4 3.36 / 2 = 1.68 and
+    # γ=3 2.95 / 1.75 = 1.69, the best; at 0.1 a draft for γ=4 (1.4): 3.36 / 1.4 = 2.40.
+    quarter = lambda b: 0.25  # noqa: E731
+    assert choose_gamma([0.8], 4, flat, quarter) == 3
+    assert choose_gamma([0.8], 4, flat, quarter, fused=(4, lambda b: 0.1)) == 4
+    assert choose_gamma([0.8], 3, flat, quarter, fused=(4, lambda b: 0.1)) == 3  # γ=4 is not on offer
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])

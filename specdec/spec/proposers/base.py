@@ -285,6 +285,11 @@ class Proposer(ABC):
         """Seconds one drafting forward takes for ``batch_size`` requests (0: model-free)."""
         return 0.0
 
+    def full_gamma_draft_cost(self, batch_size: int, context_len: int) -> float | None:
+        """Seconds per draft when drafting the method's full γ, where that differs from
+        :meth:`draft_cost` (a compiled drafter fusing the steps); None: it does not."""
+        return None
+
     def unseen_tokens(self, ctx: TextContext) -> int:
         """Tokens of ``ctx`` the drafter must read before it can draft (a draft model's
         catch-up; 0: a drafter that keeps up with the target on its own, or none)."""

@@ -342,24 +342,35 @@ class DraftModelProposer(Proposer):
             return one
         return (one + self._fused_time(ctx_len, g, repeats)) / g
 
+    def full_gamma_draft_cost(self, batch_size: int, context_len: int) -> float | None:
+        g = self.config.num_speculative_tokens
+        if self.drafter._fused is None or g < 2:
+            return None
+        fused = self._fused_time(context_len, g, 7, requests=batch_size, stat="min")
+        return (self.draft_cost(batch_size, context_len) + fused) / g
+
     @torch.inference_mode()
-    def _fused_time(self, ctx_len: int, gamma: int, repeats: int) -> float:
-        """Seconds of the fused ``γ - 1`` one-token steps for one request at context ``ctx_len``."""
+    def _fused_time(self, ctx_len: int, gamma: int, repeats: int, *, requests: int = 1,
+                    stat: str = "median") -> float:
+        """Seconds of the fused ``γ - 1`` one-token steps for ``requests`` requests at context ``ctx_len``."""
         cache, dev = self.pipeline.caches[0], self.pipeline.device
-        table = BlockTable()
-        cache.reserve(table, ctx_len + gamma - 1)
+        tables = [BlockTable() for _ in range(requests)]
         try:
+            for table in tables:
+                cache.reserve(table, ctx_len + gamma - 1)
             bs = cache.block_size
             p = torch.arange(ctx_len + gamma - 1)
-            gather = (torch.tensor(table.blocks)[p // bs] * bs + p % bs).unsqueeze(0).to(dev)  # [1, S]
-            positions = torch.arange(ctx_len, ctx_len + gamma - 1, device=dev).unsqueeze(1)  # [γ-1, 1]
-            slots = gather[0, ctx_len:].unsqueeze(1).contiguous()  # [γ-1, 1]
+            gather = torch.stack([torch.tensor(t.blocks)[p // bs] * bs + p % bs for t in tables]).to(dev)  # [B, S]
+            positions = torch.arange(ctx_len, ctx_len + gamma - 1, device=dev).unsqueeze(1).expand(-1, requests)
+            slots = gather[:, ctx_len:].t()  # [γ-1, B]
             dtype = next(self.drafter.decoder.parameters()).dtype
-            logits = torch.zeros(1, self.pipeline.config.vocab_size, device=dev, dtype=dtype)
-            args = (logits, positions, slots, gather, cache.tensors, *self.drafter._rows(1, dev))
-            return time_calls(lambda: self.drafter._fused(*args), dev, repeats=repeats)
+            logits = torch.zeros(requests, self.pipeline.config.vocab_size, device=dev, dtype=dtype)
+            args = (logits, positions.contiguous(), slots.contiguous(), gather, cache.tensors,
+                    *self.drafter._rows(requests, dev))
+            return time_calls(lambda: self.drafter._fused(*args), dev, repeats=repeats, stat=stat)
         finally:
-            cache.free(table)
+            for table in tables:
+                cache.free(table)
 
     def unseen_tokens(self, ctx: TextContext) -> int:
         return len(ctx.tokens) - ctx.processed(self.cache_name)
