@@ -88,14 +88,14 @@ class DraftModelDrafter(Drafter):
     def __init__(self, pipeline: DecoderPipelineModel, tree: TreeConfig | None = None, max_gamma: int = 0) -> None:
         super().__init__()
         self.decoder = pipeline.build_module()
+        self._row_cache: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}
+        self.tree = tree if tree is not None and tree.is_tree else None
         self.max_gamma = max_gamma
         # Compiled: a greedy chain of the method's γ drafts its γ - 1 one-token
         # steps in one graph (one call, not γ - 1 calls each paying dynamo's guards
         # and wrappers); other γ (adaptive γ's smaller ones) step by step.
         self._fused = (compile_function(self._greedy_steps, pipeline.device)
-                       if pipeline.runtime.compile and tree is None else None)
-        self._row_cache: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}
-        self.tree = tree if tree is not None and tree.is_tree else None
+                       if pipeline.runtime.compile and self.tree is None else None)
         self._static: dict[int, Any] = {}  # static tree cut to n nodes -> its tensors and host facts
 
     def _rows(self, b: int, device: torch.device) -> tuple[torch.Tensor, ...]:

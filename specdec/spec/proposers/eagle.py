@@ -449,7 +449,7 @@ class EagleProposer(Proposer):
             gather = torch.stack([torch.tensor(t.blocks)[p // bs] * bs + p % bs for t in tables])  # [B, S]
             gather = gather.to(self.device)
             b = requests
-            rows = self._rows(b)  # the loop's index tensors, aliased as there
+            rows = self._rows(b)  # the loop's own index tensors (as distinct as there)
             pos = torch.full((b,), ctx_len - 1, device=self.device)
             dtype = next(self.head.parameters()).dtype
             feat = torch.zeros(b, self.head.config.hidden_size, device=self.device, dtype=dtype)
