@@ -13,6 +13,8 @@ overwritten by the next append.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -136,6 +138,19 @@ class PagedKVCache:
         """Slot ids of token positions ``start:end`` (blocks must be reserved)."""
         bs = self.block_size
         return [table.blocks[i // bs] * bs + i % bs for i in range(start, end)]
+
+    @contextmanager
+    def scratch(self, requests: int, num_tokens: int) -> Iterator[torch.Tensor]:
+        """Blocks for ``requests`` throwaway requests of ``num_tokens`` tokens, freed on exit;
+        yields each one's slots ``[requests, num_tokens]`` (bare timing of a forward)."""
+        tables = [BlockTable() for _ in range(requests)]
+        try:
+            for table in tables:
+                self.reserve(table, num_tokens)
+            yield torch.tensor([self.slots(t, 0, num_tokens) for t in tables], device=self.tensors.k.device)
+        finally:
+            for table in tables:
+                self.free(table)
 
 
 def block_table_array(tables: list[list[int]]) -> np.ndarray:

@@ -78,6 +78,23 @@ def test_reserve_slots_truncate_worked_example():
     assert t.blocks == [] and t.num_tokens == 0 and c.allocator.num_free == 4
 
 
+def test_scratch_requests_get_their_slots_and_give_the_blocks_back():
+    c = _cache(num_blocks=5, block_size=4)
+    live = BlockTable()
+    c.reserve(live, 3)  # block 0 is a live request's
+    with c.scratch(2, 5) as slots:  # two throwaway requests of 5 tokens: blocks 1-2, then 3-4
+        assert slots.tolist() == [[4, 5, 6, 7, 8], [12, 13, 14, 15, 16]] and c.allocator.num_free == 0
+    assert c.allocator.num_free == 4 and live.blocks == [0]
+    with pytest.raises(RuntimeError):  # freed on the way out of an error too
+        with c.scratch(1, 4):
+            raise RuntimeError("timing failed")
+    assert c.allocator.num_free == 4
+    with pytest.raises(OutOfBlocks):  # the second request finds no room: the first's blocks come back
+        with c.scratch(2, 9):
+            pass
+    assert c.allocator.num_free == 4
+
+
 def test_truncating_below_zero_is_an_error():
     c = _cache(num_blocks=4, block_size=4)
     t = BlockTable()

@@ -46,7 +46,7 @@ import torch
 
 from specdec.core.context import TextContext
 from specdec.core.inputs import DecoderInputs, KVCacheTensors, MaskKind, move_tensors
-from specdec.core.kv_cache import BlockTable, block_table_array
+from specdec.core.kv_cache import block_table_array
 from specdec.core.pipeline_model import DecoderPipelineModel, compile_function, registered_pipeline_model
 from specdec.sampling import LANE_DRAFT, SamplingTensors, greedy_tokens, probs_from_logits, sample_from
 from specdec.spec.forward_time import forward_time, time_calls
@@ -354,13 +354,7 @@ class DraftModelProposer(Proposer):
                     stat: str = "median") -> float:
         """Seconds of the fused ``γ - 1`` one-token steps for ``requests`` requests at context ``ctx_len``."""
         cache, dev = self.pipeline.caches[0], self.pipeline.device
-        tables = [BlockTable() for _ in range(requests)]
-        try:
-            for table in tables:
-                cache.reserve(table, ctx_len + gamma - 1)
-            bs = cache.block_size
-            p = torch.arange(ctx_len + gamma - 1)
-            gather = torch.stack([torch.tensor(t.blocks)[p // bs] * bs + p % bs for t in tables]).to(dev)  # [B, S]
+        with cache.scratch(requests, ctx_len + gamma - 1) as gather:  # [B, S]
             positions = torch.arange(ctx_len, ctx_len + gamma - 1, device=dev).unsqueeze(1).expand(-1, requests)
             slots = gather[:, ctx_len:].t()  # [γ-1, B]
             dtype = next(self.drafter.decoder.parameters()).dtype
@@ -368,9 +362,6 @@ class DraftModelProposer(Proposer):
             args = (logits, positions.contiguous(), slots.contiguous(), gather, cache.tensors,
                     *self.drafter._rows(requests, dev))
             return time_calls(lambda: self.drafter._fused(*args), dev, repeats=repeats, stat=stat)
-        finally:
-            for table in tables:
-                cache.free(table)
 
     def unseen_tokens(self, ctx: TextContext) -> int:
         return len(ctx.tokens) - ctx.processed(self.cache_name)

@@ -439,15 +439,7 @@ class EagleProposer(Proposer):
                    fused: int = 0) -> float:
         """Seconds of a bare one-token step of the head for ``requests`` requests at context
         ``ctx_len``; ``fused=γ``: of the fused γ - 1 steps (EagleDrafter._greedy_steps) instead."""
-        tables = [BlockTable() for _ in range(requests)]
-        try:
-            width = ctx_len + max(fused - 1, 0)
-            for table in tables:
-                self.cache.reserve(table, width)
-            bs = self.cache.block_size
-            p = torch.arange(width)
-            gather = torch.stack([torch.tensor(t.blocks)[p // bs] * bs + p % bs for t in tables])  # [B, S]
-            gather = gather.to(self.device)
+        with self.cache.scratch(requests, ctx_len + max(fused - 1, 0)) as gather:  # [B, S]
             b = requests
             rows = self._rows(b)  # the loop's own index tensors (as distinct as there)
             pos = torch.full((b,), ctx_len - 1, device=self.device)
@@ -460,9 +452,6 @@ class EagleProposer(Proposer):
             inp = _one_token_step(torch.zeros(b, dtype=torch.long, device=self.device), pos, gather, ctx_len,
                                   self.cache.tensors, *rows)
             return time_calls(lambda: self.head(inp, feat), self.device, repeats=repeats, stat=stat)
-        finally:
-            for table in tables:
-                self.cache.free(table)
 
 
 @register_proposer("eagle3", Eagle3Config)
