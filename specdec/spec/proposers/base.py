@@ -285,9 +285,10 @@ class Proposer(ABC):
         """Seconds one drafting forward takes for ``batch_size`` requests (0: model-free)."""
         return 0.0
 
-    def full_gamma_draft_cost(self, batch_size: int, context_len: int) -> float | None:
-        """Seconds per draft when drafting the method's full γ, where that differs from
-        :meth:`draft_cost` (a compiled drafter fusing the steps); None: it does not."""
+    def fused_steps_cost(self, batch_size: int, context_len: int) -> float | None:
+        """Seconds of the method's full γ's ``γ - 1`` one-token steps for ``batch_size``
+        requests where they run as one compiled graph; None: they do not (steps cost
+        :meth:`draft_cost` each)."""
         return None
 
     def unseen_tokens(self, ctx: TextContext) -> int:

@@ -342,12 +342,11 @@ class DraftModelProposer(Proposer):
             return one
         return (one + self._fused_time(ctx_len, g, repeats)) / g
 
-    def full_gamma_draft_cost(self, batch_size: int, context_len: int) -> float | None:
+    def fused_steps_cost(self, batch_size: int, context_len: int) -> float | None:
         g = self.config.num_speculative_tokens
         if self.drafter._fused is None or g < 2:
             return None
-        fused = self._fused_time(context_len, g, 7, requests=batch_size, stat="min")
-        return (self.draft_cost(batch_size, context_len) + fused) / g
+        return self._fused_time(context_len, g, 7, requests=batch_size, stat="min")
 
     @torch.inference_mode()
     def _fused_time(self, ctx_len: int, gamma: int, repeats: int, *, requests: int = 1,
