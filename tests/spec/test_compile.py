@@ -1,8 +1,8 @@
 """``runtime.compile=true``: the decoders run through ``torch.compile`` and
 nothing observable changes — the same greedy tokens as eager plain decoding,
 and the same draft tokens (a draft model's γ - 1 one-token steps then run as
-one graph) (so the same τ and acceptance counts) as eager
-speculation. The τ check matters: a compiled drafter whose KV-cache writes
+one graph, greedy or sampled) (so the same τ and acceptance counts) as eager
+speculation, sampled runs included (same seeds, same tokens). The τ check matters: a compiled drafter whose KV-cache writes
 went astray still yields exact output (verification fixes it) but drafts
 garbage.
 
@@ -24,8 +24,9 @@ from specdec.spec.proposers.draft_model import DraftModelConfig
 PROMPTS = [[3, 5, 7, 11, 13, 17, 19], [1, 2], [9] * 20, list(range(40))]
 
 
-def _run(tiny_llama, compile_: bool) -> tuple[list[list[int]], list[list[int]], object]:
-    """(plain tokens, speculative tokens, speculative counts) over PROMPTS, two at a time."""
+def _run(tiny_llama, compile_: bool) -> tuple[list[list[int]], list[list[int]], object, list[list[int]], object]:
+    """(plain tokens, speculative tokens, speculative counts, then sampled speculative tokens
+    and counts) over PROMPTS, two at a time."""
     target = tiny_llama(vocab=64, seed=0)
     draft = tiny_llama(vocab=64, seed=0, perturb=0.01, perturb_seed=1)
     sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -47,6 +48,12 @@ def _run(tiny_llama, compile_: bool) -> tuple[list[list[int]], list[list[int]], 
            spec.pipeline.stats().counts)
     if compile_:
         assert len(fused_calls) >= 4  # every request's first steps draft the full γ
+        fused_calls.clear()
+    spec.pipeline.reset_stats()
+    sampled = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=1.0, seed=5)
+    out += ([o.token_ids for o in spec.generate(PROMPTS, sampled)], spec.pipeline.stats().counts)
+    if compile_:
+        assert len(fused_calls) >= 4  # sampled chains fuse too
         # ... and traced whole: a graph break would run the fused steps piece by piece.
         assert not counters["graph_break"] and not counters["unimplemented"], dict(counters["unimplemented"])
         # The analytic limit charges a draft what it costs this way: the fused steps are timed.
@@ -56,12 +63,18 @@ def _run(tiny_llama, compile_: bool) -> tuple[list[list[int]], list[list[int]], 
 
 
 def _check(eager, compiled) -> None:
-    (eager_plain, eager_spec, eager_counts), (comp_plain, comp_spec, comp_counts) = eager, compiled
+    (eager_plain, eager_spec, eager_counts, eager_sampled, eager_sc) = eager
+    (comp_plain, comp_spec, comp_counts, comp_sampled, comp_sc) = compiled
     assert eager_spec == eager_plain
     assert comp_plain == eager_plain
     assert comp_spec == eager_plain
     assert comp_counts.accepted == eager_counts.accepted and comp_counts.proposed == eager_counts.proposed
     assert eager_counts.accepted > 0  # the drafter is a good one: the τ check has teeth
+    # Sampled: the fused chain draws the same drafts from the same q (seeded noise), so
+    # verification accepts the same ones. (Its distribution is tested in test_sampling_exactness.)
+    assert comp_sampled == eager_sampled and eager_sampled != eager_plain
+    assert comp_sc.accepted == eager_sc.accepted and comp_sc.proposed == eager_sc.proposed
+    assert eager_sc.accepted > 0
 
 
 def test_compiled_speculation_matches_eager(tiny_llama) -> None:
@@ -119,13 +132,19 @@ def test_compiled_eagle_heads_draft_what_eager_ones_draft(tiny_llama, monkeypatc
             drafter = spec.pipeline.proposer.drafter  # its full-γ steps run as one compiled graph
             fused = drafter._fused
             drafter._fused = lambda *a: fused_calls.append(1) or fused(*a)
-        runs[compile_] = ([o.token_ids for o in spec.generate(prompts, sp)], list(drafts))
+        greedy_out = [o.token_ids for o in spec.generate(prompts, sp)]
         if compile_:
             assert len(fused_calls) >= 3
+            fused_calls.clear()
+        sampled = SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=1.0, seed=3)
+        runs[compile_] = (greedy_out, [o.token_ids for o in spec.generate(prompts, sampled)], list(drafts))
+        if compile_:
+            assert len(fused_calls) >= 3  # sampled chains fuse too
             fused_calls.clear()  # the limit's T_draft(1) times the fused steps
             assert spec.pipeline.proposer.draft_forward_time(24, repeats=2) > 0 and fused_calls
     assert runs[True][0] == runs[False][0]
-    assert runs[True][1] == runs[False][1] and len(runs[False][1]) > 10
+    assert runs[True][1] == runs[False][1] and runs[False][1] != runs[False][0]  # sampled: same seeds, same tokens
+    assert runs[True][2] == runs[False][2] and len(runs[False][2]) > 20
     # Every compiled function ran whole: a graph break (the target's captured layers once
     # raised one) sends a frame back to eager and compiles its pieces one by one.
     assert not counters["graph_break"] and not counters["unimplemented"], dict(counters["unimplemented"])

@@ -6,8 +6,8 @@ yields the first draft token, then (2) runs ``γ - 1`` one-token steps, each
 feeding the previous draft token. All positions and KV slots are packed on the
 host beforehand, so the loop runs inside the draft-and-verify module without a
 host round trip. Its paged KV cache is rolled back in step with the target's.
-Compiled (``runtime.compile``), a greedy step of the method's γ runs its γ - 1
-one-token steps as *one* compiled graph (``_greedy_steps``): each separate call
+Compiled (``runtime.compile``), a step of the method's γ, greedy or sampled, runs
+its γ - 1 one-token steps as *one* compiled graph (``_chain_steps``): each separate call
 of a compiled decoder pays dynamo's guards and wrappers, about a third of a
 small drafter's forward on CPU (built-in pair, batch 1: 2.0 ms for the three
 steps at γ = 4 against 3.4 ms as three calls).
@@ -91,10 +91,10 @@ class DraftModelDrafter(Drafter):
         self._row_cache: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}
         self.tree = tree if tree is not None and tree.is_tree else None
         self.max_gamma = max_gamma
-        # Compiled: a greedy chain of the method's γ drafts its γ - 1 one-token
-        # steps in one graph (one call, not γ - 1 calls each paying dynamo's guards
-        # and wrappers); other γ (adaptive γ's smaller ones) step by step.
-        self._fused = (compile_function(self._greedy_steps, pipeline.device)
+        # Compiled: a chain of the method's γ, greedy or sampled, drafts its γ - 1
+        # one-token steps in one graph (one call, not γ - 1 calls each paying dynamo's
+        # guards and wrappers); other γ (adaptive γ's smaller ones) step by step.
+        self._fused = (compile_function(self._chain_steps, pipeline.device)
                        if pipeline.runtime.compile and self.tree is None else None)
         self._static: dict[int, Any] = {}  # static tree cut to n nodes -> its tensors and host facts
 
@@ -120,46 +120,38 @@ class DraftModelDrafter(Drafter):
                 return self._dynamic_tree(batch, logits)
             return self._static_tree(batch, logits)
         rows = self._rows(logits.shape[0], logits.device)
-        if sampling.all_greedy:
-            # Compiled, the method's γ runs its one-token steps as one graph (module doc).
-            fused = self._fused is not None and batch.gamma == self.max_gamma > 1
-            steps = self._fused if fused else self._greedy_steps
-            return DraftTree.chain(steps(logits, batch.step_positions, batch.step_slots, batch.gather_slots, kv,
-                                         *rows), None)  # greedy: q one-hot, left implicit
-        return self._sampled_chain(logits, batch, sampling, kv, rows)
+        # Compiled, the method's γ runs its one-token steps as one graph (module doc).
+        fused = self._fused is not None and batch.gamma == self.max_gamma > 1
+        steps = self._fused if fused else self._chain_steps
+        tokens, probs = steps(logits, batch.step_positions, batch.step_slots, batch.gather_slots, kv, *rows,
+                              None if sampling.all_greedy else sampling, batch.first_position)
+        return DraftTree.chain(tokens, probs)  # greedy: probs None (q one-hot, left implicit)
 
-    def _sampled_chain(self, logits: torch.Tensor, batch: DraftModelBatch, sampling: SamplingTensors,
-                       kv: KVCacheTensors, rows: tuple[torch.Tensor, ...]) -> DraftTree:
-        """γ sampled drafts and their distributions, from the catch-up's ``logits``."""
-        toks, probs = [], []
-        for j in range(batch.gamma):
-            p = probs_from_logits(logits.unsqueeze(1), sampling).squeeze(1)  # [B, V]
-            pos = batch.first_position + j  # [B] position the draft token will take
-            t = sample_from(p, sampling.seeds, pos, LANE_DRAFT)
-            toks.append(t)
-            probs.append(p)
-            if j + 1 < batch.gamma:
-                step = _one_token_step(t, batch.step_positions[j], batch.step_slots[j],
-                                       batch.gather_slots[:, : batch.max_len + j + 1], kv, *rows)
-                logits = self.decoder(step).logits
-        return DraftTree.chain(torch.stack(toks, dim=1), torch.stack(probs, dim=1))  # [B, γ], [B, γ, V]
-
-    def _greedy_steps(self, logits: torch.Tensor, step_positions: torch.Tensor, step_slots: torch.Tensor,
-                      gather_slots: torch.Tensor, kv: KVCacheTensors, out_rows: torch.Tensor,
-                      logit_rows: torch.Tensor, q_index: torch.Tensor) -> torch.Tensor:
-        """Greedy γ drafts [B, γ] (γ = 1 + len(step_positions)) from the catch-up's ``logits``,
-        written for ``torch.compile`` to take whole: tensors in, no host facts
-        (step j reads the first ``S - γ + j + 2`` keys of ``gather_slots`` [B, S])."""
+    def _chain_steps(self, logits: torch.Tensor, step_positions: torch.Tensor, step_slots: torch.Tensor,
+                     gather_slots: torch.Tensor, kv: KVCacheTensors, out_rows: torch.Tensor,
+                     logit_rows: torch.Tensor, q_index: torch.Tensor, sampling: SamplingTensors | None,
+                     first_position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """γ drafts [B, γ] (γ = 1 + len(step_positions)) from the catch-up's ``logits`` [B, V]:
+        greedy (``sampling`` None), or sampled, draft j at position ``first_position + j``,
+        with their distributions q [B, γ, V]. Written for ``torch.compile`` to take whole:
+        tensors in (and the sampling flags), no host facts (step j reads the first
+        ``S - γ + j + 2`` keys of ``gather_slots`` [B, S])."""
         steps = step_positions.shape[0]
         keys = gather_slots.shape[1] - steps  # keys through the first draft
-        t = greedy_tokens(logits)
-        toks = [t]
-        for j in range(steps):
-            step = _one_token_step(t, step_positions[j], step_slots[j], gather_slots[:, : keys + j + 1], kv,
-                                   out_rows, logit_rows, q_index)
-            t = greedy_tokens(self.decoder(step).logits)
+        toks, probs = [], []
+        for j in range(steps + 1):
+            if sampling is None:
+                t = greedy_tokens(logits)
+            else:
+                p = probs_from_logits(logits.unsqueeze(1), sampling).squeeze(1)  # [B, V]
+                t = sample_from(p, sampling.seeds, first_position + j, LANE_DRAFT)
+                probs.append(p)
             toks.append(t)
-        return torch.stack(toks, dim=1)
+            if j < steps:
+                step = _one_token_step(t, step_positions[j], step_slots[j], gather_slots[:, : keys + j + 1], kv,
+                                       out_rows, logit_rows, q_index)
+                logits = self.decoder(step).logits
+        return torch.stack(toks, dim=1), (torch.stack(probs, dim=1) if probs else None)
 
     # -- token trees ----------------------------------------------------------------
     def _run_nodes(self, batch: DraftModelBatch, tokens: torch.Tensor, own: torch.Tensor,
@@ -359,7 +351,7 @@ class DraftModelProposer(Proposer):
             dtype = next(self.drafter.decoder.parameters()).dtype
             logits = torch.zeros(requests, self.pipeline.config.vocab_size, device=dev, dtype=dtype)
             args = (logits, positions.contiguous(), slots.contiguous(), gather, cache.tensors,
-                    *self.drafter._rows(requests, dev))
+                    *self.drafter._rows(requests, dev), None, positions[0].contiguous())  # greedy
             return time_calls(lambda: self.drafter._fused(*args), dev, repeats=repeats, stat=stat)
 
     def unseen_tokens(self, ctx: TextContext) -> int:

@@ -116,9 +116,9 @@ class EagleDrafter(Drafter):
         self.head = head
         self.tree = tree if tree is not None and tree.is_tree else None
         self.max_gamma = max_gamma
-        # ``fuse_on`` (compiled heads): a greedy chain of the method's γ runs its γ - 1
-        # one-token steps as one compiled graph, as a draft model's does (draft_model.py).
-        self._fused = (compile_function(self._greedy_steps, fuse_on)
+        # ``fuse_on`` (compiled heads): a chain of the method's γ, greedy or sampled, runs
+        # its γ - 1 one-token steps as one compiled graph, as a draft model's does (draft_model.py).
+        self._fused = (compile_function(self._chain_steps, fuse_on)
                        if fuse_on is not None and self.tree is None else None)
         self._static: dict[int, Any] = {}  # static tree cut to n nodes -> its tensors and host facts
 
@@ -159,37 +159,34 @@ class EagleDrafter(Drafter):
         # through the bound any request may reach, masked past its own.
         gather = host.gather_slots[:, : host.catch_keys + max(gamma - 1, 0)]
         assert gather.shape[1] == host.catch_keys + max(gamma - 1, 0), "prepare_after packs γ - 1 draft positions"
-        if sampling.all_greedy:
-            fused = self._fused is not None and gamma == self.max_gamma > 1
-            steps = self._fused if fused else self._greedy_steps
-            return DraftTree.chain(steps(logits, h, pos0, _fresh(gather), host.kv, *host.rows,
-                                         gamma), None)
+        fused = self._fused is not None and gamma == self.max_gamma > 1
+        steps = self._fused if fused else self._chain_steps
+        tokens, probs = steps(logits, h, pos0, _fresh(gather), host.kv, *host.rows, gamma,
+                              None if sampling.all_greedy else sampling)
+        return DraftTree.chain(tokens, probs)  # greedy: probs None
+
+    def _chain_steps(self, logits: torch.Tensor, h: torch.Tensor, pos0: torch.Tensor, gather: torch.Tensor,
+                     kv: KVCacheTensors, rows: torch.Tensor, logit_rows: torch.Tensor, q_index: torch.Tensor,
+                     gamma: int, sampling: SamplingTensors | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """γ drafts [B, γ] from the catch-up's ``logits`` [B, V] and state ``h`` [B, H], the
+        bonus rows at ``pos0`` [B]: greedy (``sampling`` None), or sampled (draft j takes
+        position pos0 + 2 + j) with their distributions q [B, γ, V]. ``gather`` [B, K + γ - 1]:
+        head slots through the last step's keys (K: the catch-up's). Tensors in but γ and
+        the sampling flags, for ``torch.compile`` to take whole."""
+        keys = gather.shape[1] - (gamma - 1)
         toks, probs = [], []
         for j in range(gamma):
-            p = probs_from_logits(logits.unsqueeze(1), sampling).squeeze(1)  # [B, V]
-            t = sample_from(p, sampling.seeds, pos0 + 2 + j, LANE_DRAFT)  # draft j takes position pos0 + 2 + j
+            if sampling is None:
+                t = greedy_tokens(logits)
+            else:
+                p = probs_from_logits(logits.unsqueeze(1), sampling).squeeze(1)  # [B, V]
+                t = sample_from(p, sampling.seeds, pos0 + 2 + j, LANE_DRAFT)
+                probs.append(p)
             toks.append(t)
-            probs.append(p)
             if j + 1 < gamma:
-                one = _one_token_step(t, pos0 + 1 + j, gather, host.catch_keys + j + 1, host.kv, *host.rows)
-                h, logits = self.head(one, h)
-        return DraftTree.chain(torch.stack(toks, 1), torch.stack(probs, 1))
-
-    def _greedy_steps(self, logits: torch.Tensor, h: torch.Tensor, pos0: torch.Tensor, gather: torch.Tensor,
-                      kv: KVCacheTensors, rows: torch.Tensor, logit_rows: torch.Tensor, q_index: torch.Tensor,
-                      gamma: int) -> torch.Tensor:
-        """Greedy γ drafts [B, γ] from the catch-up's ``logits`` [B, V] and state ``h`` [B, H],
-        the bonus rows at ``pos0`` [B]; ``gather`` [B, K + γ - 1]: head slots through the
-        last step's keys (K: the catch-up's). Tensors in but γ, for ``torch.compile`` to take whole."""
-        keys = gather.shape[1] - (gamma - 1)
-        t = greedy_tokens(logits)
-        toks = [t]
-        for j in range(gamma - 1):
-            h, logits = self.head(_one_token_step(t, pos0 + 1 + j, gather, keys + j + 1, kv, rows, logit_rows,
-                                                   q_index), h)
-            t = greedy_tokens(logits)
-            toks.append(t)
-        return torch.stack(toks, 1)
+                h, logits = self.head(_one_token_step(t, pos0 + 1 + j, gather, keys + j + 1, kv, rows, logit_rows,
+                                                       q_index), h)
+        return torch.stack(toks, 1), (torch.stack(probs, 1) if probs else None)
 
     # -- token trees ----------------------------------------------------------------
     def _run_nodes(self, host: EagleStepInputs, pos0: torch.Tensor, tokens: torch.Tensor, feature: torch.Tensor,
@@ -437,7 +434,7 @@ class EagleProposer(Proposer):
     def _step_time(self, ctx_len: int, repeats: int, *, requests: int = 1, stat: str = "median",
                    fused: int = 0) -> float:
         """Seconds of a bare one-token step of the head for ``requests`` requests at context
-        ``ctx_len``; ``fused=γ``: of the fused γ - 1 steps (EagleDrafter._greedy_steps) instead."""
+        ``ctx_len``; ``fused=γ``: of the fused γ - 1 steps (EagleDrafter._chain_steps) instead."""
         with self.cache.scratch(requests, ctx_len + max(fused - 1, 0)) as gather:  # [B, S]
             b = requests
             rows = self._rows(b)  # the loop's own index tensors (as distinct as there)
@@ -446,7 +443,7 @@ class EagleProposer(Proposer):
             feat = torch.zeros(b, self.head.config.hidden_size, device=self.device, dtype=dtype)
             if fused:
                 logits = torch.zeros(b, self.vocab_size, device=self.device, dtype=dtype)
-                args = (logits, feat, pos, gather, self.cache.tensors, *rows, fused)
+                args = (logits, feat, pos, gather, self.cache.tensors, *rows, fused, None)  # greedy
                 return time_calls(lambda: self.drafter._fused(*args), self.device, repeats=repeats, stat=stat)
             inp = _one_token_step(torch.zeros(b, dtype=torch.long, device=self.device), pos, gather, ctx_len,
                                   self.cache.tensors, *rows)
