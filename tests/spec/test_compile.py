@@ -19,6 +19,7 @@ from specdec.api import LLM
 from specdec.core.context import SamplingParams
 from specdec.core.pipeline_model import RuntimeConfig
 from specdec.engine import EngineConfig
+from specdec.spec.pipeline import _verify_sampled_chain as pipeline_verify
 from specdec.spec.proposers.draft_model import DraftModelConfig
 
 PROMPTS = [[3, 5, 7, 11, 13, 17, 19], [1, 2], [9] * 20, list(range(40))]
@@ -51,9 +52,14 @@ def _run(tiny_llama, compile_: bool) -> tuple[list[list[int]], list[list[int]], 
         fused_calls.clear()
     spec.pipeline.reset_stats()
     sampled = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=1.0, seed=5)
+    if compile_:  # ... and their verification is one compiled graph
+        module, verify_calls = spec.pipeline.module, []
+        verify = module.verify_sampled_chain
+        module.verify_sampled_chain = lambda *a: verify_calls.append(1) or verify(*a)
     out += ([o.token_ids for o in spec.generate(PROMPTS, sampled)], spec.pipeline.stats().counts)
     if compile_:
         assert len(fused_calls) >= 4  # sampled chains fuse too
+        assert len(verify_calls) >= 8 and verify is not pipeline_verify  # (not the eager function)
         # ... and traced whole: a graph break would run the fused steps piece by piece.
         assert not counters["graph_break"] and not counters["unimplemented"], dict(counters["unimplemented"])
         # The analytic limit charges a draft what it costs this way: the fused steps are timed.
