@@ -38,7 +38,8 @@ class RecipeConfig:
     ttt_steps: int = 1  # unrolled draft steps per batch (training-time test; eagle3: k)
     step_decay: float = 0.8  # loss weight of unrolled step s: step_decay ** s
     ce_weight: float = 1.0  # token loss: CE against the target's distribution at the next position
-    ce_target: str = "soft"  # soft: the target's distribution | argmax: its greedy token (what greedy accepts)
+    ce_target: str = "soft"  # eagle/eagle3/medusa: soft: the target's distribution | argmax: its greedy token (what
+    # greedy accepts)
     feature_weight: float = 0.0  # eagle: SmoothL1(h_t, f_{t+1}) feature regression
     feature_noise: float = 0.0  # uniform noise U(-a, a) added to the step-0 features while training
     draft_vocab_size: Optional[int] = None  # eagle3: the N most frequent train tokens (None: the target's vocab)

@@ -6,7 +6,8 @@ Medusa-1: the target is frozen; only the heads learn. A batch is windows of
 target's own distribution at ``t + 1 + i`` (its prediction of ``x_{t+2+i}``:
 soft cross-entropy, i.e. distillation of the target's next-token
 distribution ``i + 1`` positions later), at every row ``t`` where that
-position is inside the window. Loss ``Σ_i step_decay^i · CE_i``.
+position is inside the window (``ce_target=argmax``: against that
+distribution's argmax, the target's greedy token). Loss ``Σ_i step_decay^i · CE_i``.
 
 Initialisation as Medusa: each head's block starts at zero (the block is the
 identity), an own lm head (``medusa_own_lm_head``) as a copy of the target's.
@@ -55,7 +56,8 @@ class MedusaRecipe:
             "lm_head": "the target's (shared, Medusa-2 format)" if hcfg.shared_lm_head
             else "own per head (Medusa-1 layout), initialised from the target's",
             "init": "ResBlock weights and biases zero (identity)",
-            "objective": "sum_i step_decay^i * CE(target distribution at t+1+i, head i on h_t)",
+            "objective": f"sum_i step_decay^i * CE(target {'argmax' if rc.ce_target == 'argmax' else 'distribution'}"
+                         " at t+1+i, head i on h_t)",
         }
 
     @property
@@ -76,7 +78,10 @@ class MedusaRecipe:
             n = length - 1 - i  # rows t = 0..n-1 have a target at t + 1 + i <= L - 1
             logq = F.log_softmax(self.head.logits_of(i, ys[:, :n, i]).float(), dim=-1)
             p = p_all[:, i : i + n]
-            ce = -(p * logq).sum(-1).mean()
+            if self.rc.ce_target == "argmax":  # the target's greedy token: all greedy acceptance needs
+                ce = -logq.gather(-1, p.argmax(-1, keepdim=True)).mean()
+            else:
+                ce = -(p * logq).sum(-1).mean()
             total = total + self.rc.step_decay**i * ce
             metrics[f"ce_{i}"] = float(ce.detach())
             metrics[f"acc_{i}"] = float((logq.argmax(-1) == p.argmax(-1)).float().mean())

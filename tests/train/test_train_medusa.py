@@ -80,3 +80,38 @@ def test_medusa_loss_falls_and_the_simulation_counts_the_pipelines_steps(tiny: d
         ok[: s - 2 - j, j] = pred[: s - 2 - j, j] == seq[j + 2 :]
     sim = chain_tau(ok, len(prompt), g)
     assert llm.pipeline.stats().counts.steps == sim["steps"] + 1
+
+
+def test_medusa_argmax_target_scores_the_targets_greedy_token(tiny: dict[str, Path]) -> None:  # noqa: F811
+    """``ce_target=argmax``: head i's CE is the NLL of the target's greedy token i + 1 positions on."""
+    import torch.nn.functional as F
+
+    from specdec.core.checkpoint import load_decoder
+    from specdec.models.llama import DenseCausalAttend
+    from specdec.train.config import RecipeConfig
+    from specdec.train.data import Features
+    from specdec.train.medusa import MedusaRecipe
+
+    target = load_decoder(tiny["target"]).module.float()
+    tokens = torch.randint(3, 250, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        cos, sin = target._rope(torch.arange(10), 9)
+        hidden = torch.stack([target._layers(target.model.embed_tokens(t), cos, sin, DenseCausalAttend(1, 10, None), ())[0]
+                              for t in tokens])
+    feats = Features(tokens, hidden, None)
+    losses = {}
+    for kind in ("soft", "argmax"):
+        recipe = MedusaRecipe(RecipeConfig(recipe="medusa", medusa_num_heads=2, ce_target=kind), target, tokens.flatten(), 0)
+        with torch.no_grad():
+            for p in recipe.head.parameters():  # away from the identity init, the same for both kinds
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
+            losses[kind] = recipe.loss(feats, None)[1]
+            if kind == "argmax":
+                greedy = target.lm_head(hidden[:, 1:]).argmax(-1)  # [B, 9]: the target's token x_{t+2}
+                ys = recipe.head.features(hidden, 2)
+                for i in range(2):
+                    n = 9 - i
+                    logq = F.log_softmax(recipe.head.logits_of(i, ys[:, :n, i]).float(), -1)
+                    want = F.nll_loss(logq.flatten(0, 1), greedy[:, i : i + n].flatten())
+                    assert losses[kind][f"ce_{i}"] == pytest.approx(float(want), rel=1e-5)
+    assert losses["soft"]["ce_0"] != pytest.approx(losses["argmax"]["ce_0"], rel=1e-5)  # the soft loss is another one
