@@ -62,7 +62,8 @@ batch-mates, and a chain gives bit-for-bit what ``verify_sampled`` gives.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import heapq
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, List, NamedTuple, Optional  # noqa: UP035 (OmegaConf reads typing generics)
 
@@ -116,7 +117,10 @@ class TreeConfig:
     is the number of draft *nodes* a request verifies per step (its rows in
     the target's forward): ``total_tokens`` when set (> 0; the proposer's
     config then takes it as its γ), else γ. A static tree keeps its first
-    ``budget`` nodes in (depth, path) order. Per request the budget shrinks
+    ``budget`` choices as listed, so write them likeliest first, parents
+    before children (:func:`best_static_tree` makes such a list from measured
+    accuracies; a request with less room keeps a (depth, path)-ordered prefix
+    of those). Per request the budget shrinks
     like γ does (its own ``num_speculative_tokens``, room left), so trees are
     ragged. Hydra: ``method.draft_model.tree.kind=dynamic
     method.draft_model.tree.total_tokens=16``.
@@ -283,7 +287,7 @@ class StaticTree(NamedTuple):
     paths: list[tuple[int, ...]]  # [N] the choice of each node, as given
 
 
-def static_tree(choices: list[list[int]] | list[tuple[int, ...]]) -> StaticTree:
+def static_tree(choices: Sequence[Sequence[int]], budget: int | None = None) -> StaticTree:
     """A static tree from Medusa-style ``choices`` (also vLLM's ``speculative_token_tree``).
 
     Each choice is a path of top-k ranks from the root: ``[0]`` is the root's
@@ -302,9 +306,22 @@ def static_tree(choices: list[list[int]] | list[tuple[int, ...]]) -> StaticTree:
     (:func:`static_tree_tokens`; EAGLE-1's static tree). Medusa's heads
     draft one distribution per *depth* for the whole tree, so there node
     ``i``'s token is ``head_topk[depth[i] - 1, ranks[i]]``.
+
+    ``budget``: keep the first ``budget`` choices *as listed* (then sort them),
+    so a list written likeliest first (Medusa's lists, :func:`best_static_tree`)
+    cuts to the best tree of each size. The kept ones must include their
+    parents::
+
+        static_tree([[0], [0, 0], [1], [0, 0, 0]], budget=3).paths
+        -> [(0,), (1,), (0, 0)]
     """
-    paths = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda p: (len(p), p))
-    if len(paths) != len(choices):
+    listed = [tuple(int(r) for r in c) for c in choices]
+    if budget is not None:
+        if not 1 <= budget <= len(listed):
+            raise ValueError(f"static_tree: budget {budget} is outside 1..{len(listed)} (the number of choices)")
+        listed = listed[:budget]
+    paths = sorted(set(listed), key=lambda p: (len(p), p))
+    if len(paths) != len(listed):
         raise ValueError("static_tree: choices contain duplicates")
     index = {p: i for i, p in enumerate(paths)}
     parents, ranks = [], []
@@ -312,7 +329,8 @@ def static_tree(choices: list[list[int]] | list[tuple[int, ...]]) -> StaticTree:
         if not p or min(p) < 0:
             raise ValueError(f"static_tree: a choice must be a non-empty list of ranks >= 0, got {list(p)}")
         if len(p) > 1 and p[:-1] not in index:
-            raise ValueError(f"static_tree: choice {list(p)} lacks its parent {list(p[:-1])}")
+            cut = "" if budget is None else f" among the first {budget} (list parents before their children)"
+            raise ValueError(f"static_tree: choice {list(p)} lacks its parent {list(p[:-1])}{cut}")
         parents.append(index[p[:-1]] if len(p) > 1 else -1)
         ranks.append(p[-1])
     return StaticTree(
@@ -321,6 +339,38 @@ def static_tree(choices: list[list[int]] | list[tuple[int, ...]]) -> StaticTree:
         depths=torch.tensor([len(p) for p in paths], dtype=torch.long),
         paths=paths,
     )
+
+
+def best_static_tree(accuracy: Sequence[Sequence[float]], budget: int) -> list[tuple[int, ...]]:
+    """The ``budget`` likeliest paths under measured rank accuracies, likeliest first
+    (Medusa's way of building its sparse trees from calibration data).
+
+    ``accuracy[d][r]``: how often the rank-``r`` candidate at depth ``d + 1`` is
+    the target's token, given the path above it was accepted. Under that
+    model a path is accepted with the product of its nodes' accuracies, and a
+    greedy tree's expected accepted drafts per step are the sum of its paths'
+    products, so the best tree of any size is the top of this list, which
+    :func:`static_tree` cuts with ``budget`` (a child never beats its parent,
+    so every prefix of the list is a tree). Example::
+
+        best_static_tree([[0.6, 0.2], [0.5, 0.1]], 4)
+        # products: [0] .6, [0,0] .3, [1] .2, [0,1] .06, [1,0] .1, [1,1] .02
+        -> [(0,), (0, 0), (1,), (1, 0)]      # expected τ = 1 + .6 + .3 + .2 + .1 = 2.2
+    """
+    if budget < 1 or not accuracy or not accuracy[0]:
+        raise ValueError(f"best_static_tree: need budget >= 1 and accuracies for depth 1, got {budget}, {accuracy}")
+    if any(not 0.0 <= a <= 1.0 for row in accuracy for a in row):
+        raise ValueError("best_static_tree: accuracies must lie in [0, 1]")
+    heap = [(-float(a), (r,)) for r, a in enumerate(accuracy[0])]  # (-product, path)
+    heapq.heapify(heap)
+    out: list[tuple[int, ...]] = []
+    while heap and len(out) < budget:
+        neg, path = heapq.heappop(heap)
+        out.append(path)
+        if len(path) < len(accuracy):  # its children can enter only after it
+            for r, a in enumerate(accuracy[len(path)]):
+                heapq.heappush(heap, (neg * float(a), (*path, r)))
+    return out
 
 
 def static_tree_tokens(parents: torch.Tensor, ranks: torch.Tensor, parent_topk: torch.Tensor) -> torch.Tensor:
@@ -734,11 +784,11 @@ def node_rows(tokens: torch.Tensor, own: torch.Tensor, anc: torch.Tensor, lens: 
 
 
 def static_tree_shape(choices: Any, n: int, device: torch.device | str = "cpu") -> tuple[Any, ...]:
-    """A static tree cut to its first ``n`` nodes: (parents [n], ranks [n], levels
+    """A static tree cut to its first ``n`` choices (as listed): (parents [n], ranks [n], levels
     [(lo, hi)] per depth, ancestors [n, D - 1] root side first, top-k needed,
     max depth, max children)."""
-    st = static_tree(choices)
-    par, ranks, dep = st.parents[:n], st.ranks[:n], st.depths[:n].tolist()
+    st = static_tree(choices, n)
+    par, ranks, dep = st.parents, st.ranks, st.depths.tolist()
     levels = []
     for d in range(1, max(dep) + 1):
         idx = [i for i, x in enumerate(dep) if x == d]

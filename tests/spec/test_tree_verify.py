@@ -15,13 +15,19 @@ test has a negative control (a known-wrong verifier) that must fail.
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy.stats import chi2
 
 from specdec.sampling import LANE_ACCEPT, LANE_TARGET, sample_from, uniform
 from specdec.spec.tree import (
     accepted_slot_moves,
+    best_static_tree,
     ancestor_mask,
     children_table,
     depths,
@@ -104,6 +110,43 @@ def test_static_tree_medusa_order_and_tokens() -> None:
         static_tree([[0], [1, 0]])
     with pytest.raises(ValueError, match="duplicates"):
         static_tree([[0], [0]])
+
+
+def test_a_budget_keeps_the_choices_as_listed() -> None:
+    likeliest_first = [[0], [0, 0], [1], [0, 0, 0], [0, 1], [2]]
+    assert static_tree(likeliest_first, budget=4).paths == [(0,), (1,), (0, 0), (0, 0, 0)]
+    assert static_tree(likeliest_first, budget=6).paths == static_tree(likeliest_first).paths
+    with pytest.raises(ValueError, match=r"lacks its parent \[1\] among the first 2"):
+        static_tree([[0], [1, 0], [1]], budget=2)
+    with pytest.raises(ValueError, match="outside 1..6"):
+        static_tree(likeliest_first, budget=7)
+
+
+def _expected_accepted(paths: list[tuple[int, ...]], acc: list[list[float]]) -> float:
+    return sum(math.prod(acc[d][r] for d, r in enumerate(p)) for p in paths)
+
+
+@given(st.sampled_from([(1, 3), (2, 2), (2, 3), (3, 2)]), st.integers(1, 6), st.randoms(use_true_random=False))
+@settings(max_examples=30, deadline=None)
+def test_best_static_tree_is_the_best_tree_of_its_size(shape: tuple[int, int], budget: int, rnd) -> None:
+    """Against brute force: no connected tree of the same size has a larger expected accepted length."""
+    depth, ranks = shape
+    acc = [[rnd.random() for _ in range(ranks)] for _ in range(depth)]
+    best = best_static_tree(acc, budget)
+    universe = [p for d in range(1, depth + 1) for p in itertools.product(range(ranks), repeat=d)]
+    n = min(budget, len(universe))
+    assert len(best) == n and len(set(best)) == n
+    static_tree(best)  # connected: every prefix has its parent
+    for k in range(1, n + 1):  # each prefix is the best tree of its size
+        top = max(_expected_accepted(list(c), acc) for c in itertools.combinations(universe, k)
+                  if all(len(p) == 1 or p[:-1] in c for p in c))
+        assert _expected_accepted(best[:k], acc) == pytest.approx(top)
+
+
+def test_best_static_tree_worked_example_and_bad_input() -> None:
+    assert best_static_tree([[0.6, 0.2], [0.5, 0.1]], 4) == [(0,), (0, 0), (1,), (1, 0)]
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        best_static_tree([[0.5, 1.5]], 2)
 
 
 def test_dynamic_tree_select_worked_example_ties_and_padding() -> None:

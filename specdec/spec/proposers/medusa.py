@@ -83,14 +83,14 @@ class MedusaDrafter(Drafter):
         return DraftTree.chain(sample_from(p, sampling.seeds.unsqueeze(1), pos, LANE_DRAFT), p)
 
     def static_shape(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-        """The static tree cut to its first ``n`` nodes: parents, ranks, depths [n], max depth, max children."""
+        """The static tree cut to its first ``n`` choices (as listed): parents, ranks, depths [n], max depth, max children."""
         if n not in self._static:
             from specdec.spec.tree import static_tree
 
             assert self.choices is not None
-            t = static_tree(self.choices)
+            t = static_tree(self.choices, n)
             dev = self.heads.block(0).linear.weight.device
-            par, ranks, dep = t.parents[:n], t.ranks[:n], t.depths[:n]
+            par, ranks, dep = t.parents, t.ranks, t.depths
             kids = torch.bincount(par + 1, minlength=n + 1)
             self._static[n] = (par.to(dev), ranks.to(dev), dep.to(dev), int(dep.max()), int(kids.max()))
         return self._static[n]
