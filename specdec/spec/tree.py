@@ -127,7 +127,8 @@ class TreeConfig:
     """
 
     kind: str = "chain"
-    choices: Optional[List[List[int]]] = None  # static: paths of top-k ranks from the root
+    choices: Optional[List[List[int]]] = None  # static: paths of top-k ranks from the root (None: the drafter's
+    # own list, where its checkpoint ships one: Medusa heads trained here; else an error)
     top_k: int = 4  # dynamic: children per expanded node, and the frontier's width
     depth: int = 5  # dynamic: levels drafted (the deepest node's depth)
     total_tokens: int = 0  # nodes kept per request (the node budget); 0: the method's γ
@@ -138,8 +139,6 @@ class TreeConfig:
         if self.choices is not None:  # hashable, and checked now (static_tree raises on a bad list)
             object.__setattr__(self, "choices", tuple(tuple(int(r) for r in c) for c in self.choices))
             static_tree(self.choices)
-        if self.kind == "static" and not self.choices:
-            raise ValueError("tree.choices (paths of top-k ranks, e.g. [[0], [1], [0, 0]]) is required for kind=static")
         if self.top_k < 1 or self.depth < 1:
             raise ValueError(f"tree.top_k and tree.depth must be >= 1, got {self.top_k}, {self.depth}")
         if not 0 <= self.total_tokens <= 64:

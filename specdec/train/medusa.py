@@ -16,11 +16,15 @@ blocks are all that is trained and saved.
 
 Held-out τ (:meth:`MedusaRecipe.tau`): greedy chain speculation simulated on
 the target's own greedy continuations, draft ``s`` from root ``r`` being head
-``s``'s argmax on ``h_r`` (γ = min(eval.gamma, K)).
+``s``'s argmax on ``h_r`` (γ = min(eval.gamma, K)). On the same continuations
+each head's top-8 rank accuracies (:func:`rank_accuracy`) give the heads'
+static tree (:func:`specdec.spec.tree.best_static_tree`), which the manifest
+ships under ``heldout.shipped.static_tree`` with the τ it predicts per budget.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.models.llama import LlamaDecoder
+from specdec.spec.tree import best_static_tree
 from specdec.train.config import RecipeConfig
 from specdec.train.data import EvalSet, Features, chain_tau, tau_summary
 
@@ -97,14 +102,16 @@ class MedusaRecipe:
         return {"loss": float(loss), **m}
 
     @torch.no_grad()
-    def tau(self, ev: EvalSet, gamma: int, head: nn.Module | None = None) -> dict[str, float]:
-        """Simulated greedy chain speculation at γ = min(``gamma``, K) on the held-out set."""
+    def tau(self, ev: EvalSet, gamma: int, head: nn.Module | None = None) -> dict[str, Any]:
+        """Simulated greedy chain speculation at γ = min(``gamma``, K) on the held-out set, and
+        ``static_tree``: the heads' rank accuracies there and the best tree they imply."""
         head = head or self.head
         was = head.training
         head.eval()
         g = min(gamma, head.num_heads)
         feats = ev.features
-        pred = head(feats.hidden.float(), g).argmax(-1)  # [N, L, g]: head s on h_r predicts x_{r+2+s}
+        top = head(feats.hidden.float()).topk(TREE_RANKS, dim=-1).indices  # [N, L, K, R]: head s on h_r, x_{r+2+s}
+        pred = top[:, :, :g, 0]  # [N, L, g]
         parts = []
         for n in range(feats.tokens.shape[0]):
             seq = feats.tokens[n]
@@ -116,7 +123,18 @@ class MedusaRecipe:
                     ok[:m, s] = pred[n, :m, s] == seq[s + 2 : s + 2 + m]
             parts.append(chain_tau(ok, ev.prompt_len, g))
         head.train(was)
-        return tau_summary(parts, g)
+        acc = rank_accuracy(top, feats.tokens, ev.prompt_len)
+        choices = best_static_tree(acc, TREE_CHOICES)
+        expected = {n: round(1 + sum(math.prod(acc[d][r] for d, r in enumerate(p)) for p in choices[:n]), 3)
+                    for n in (1, 2, 4, 8, 16, 32) if n <= len(choices)}
+        return {**tau_summary(parts, g),
+                "static_tree": {"rank_accuracy": [[round(a, 4) for a in row] for row in acc],
+                                "choices": [list(p) for p in choices], "expected_tau": expected,
+                                "rule": "rank_accuracy[s][r]: how often head s's rank-r token is the target's, over "
+                                        "held-out continuation roots whose tokens at the shallower heads were each "
+                                        f"in their head's top {TREE_RANKS}; choices: tree.best_static_tree of those "
+                                        "(likeliest first: method.medusa.tree.choices, any budget keeps a prefix); "
+                                        "expected_tau: 1 + the sum of the first n paths' products"}}
 
     # -- output ------------------------------------------------------------------------------
     def save(self, out_dir: Path, target_dir: Path) -> list[Path]:
@@ -131,3 +149,26 @@ class MedusaRecipe:
         head = load_medusa(out_dir, target=self.target.config, dtype=torch.float32)
         head.attach_target(self.target.lm_head)
         return head
+
+
+TREE_RANKS = 8  # candidates measured per head for the shipped static tree
+TREE_CHOICES = 32  # paths listed (a budget up to this keeps a prefix)
+
+
+def rank_accuracy(top: torch.Tensor, tokens: torch.Tensor, prompt_len: int) -> list[list[float]]:
+    """``acc[s][r]``: how often head ``s``'s rank-``r`` token (``top`` [N, L, K, R], head ``s``
+    on ``h_t`` predicting ``x_{t+2+s}``) equals ``tokens`` [N, L], over roots ``t`` of the
+    continuation (``t >= prompt_len - 1``) where the tokens ``x_{t+2}..x_{t+1+s}`` were each
+    in their head's top ``R``: the roots at which a tree could have reached depth ``s + 1``
+    (the conditional :func:`specdec.spec.tree.best_static_tree` multiplies along a path)."""
+    n, length, k, r = top.shape
+    roots = torch.arange(prompt_len - 1, length - 2)  # x_{t+2} exists
+    at = roots.view(-1, 1) + 2 + torch.arange(k)  # [T, K] the token each head's draft is for
+    valid = at < length
+    want = tokens[:, at.clamp(max=length - 1)]  # [N, T, K]
+    hit = (top[:, roots] == want.unsqueeze(-1)) & valid.view(1, -1, k, 1)  # [N, T, K, R]
+    in_top = hit.any(-1)
+    reach = torch.cat([torch.ones_like(in_top[..., :1]), in_top.int().cumprod(-1)[..., :-1].bool()], -1)
+    reach &= valid
+    hits = (hit & reach.unsqueeze(-1)).sum((0, 1)).float()  # [K, R]
+    return (hits / reach.sum((0, 1)).clamp(min=1).unsqueeze(-1)).tolist()

@@ -218,6 +218,32 @@ def test_static_tree_runs_exactly(tiny_llama, generate, greedy_margin, kind) -> 
             assert llm.pipeline.stats().counts.accepted > 0
 
 
+def test_a_static_tree_without_choices_takes_the_heads_shipped_list(tiny_llama, generate, greedy_margin,
+                                                                     tmp_path) -> None:
+    import shutil
+
+    from specdec.spec.proposers.draft_model import DraftModelConfig
+
+    target = tiny_llama(vocab=VOCAB, seed=0, qk_scale=0.1)
+    heads = tmp_path / "heads"
+    shutil.copytree(medusa_for(target, "medusa-echo"), heads)
+    with pytest.raises(ValueError, match=r"manifest.json lists no static tree"):
+        MedusaConfig(path=str(heads), num_speculative_tokens=4, tree={"kind": "static"})
+    shipped = [[0], [0, 0], [1], [0, 0, 0], [0, 1], [2], [0, 0, 0, 0]]  # likeliest first, as training lists it
+    (heads / "manifest.json").write_text(json.dumps({"heldout": {"shipped": {"static_tree": {"choices": shipped}}}}))
+    cfg = MedusaConfig(path=str(heads), num_speculative_tokens=5, tree={"kind": "static"})
+    assert [list(c) for c in cfg.tree.choices] == shipped and cfg.num_speculative_tokens == 5
+    ps, sp = _prompts(6, 8), SamplingParams(max_new_tokens=16)
+    ref, _ = generate(target, None, ps, sp)
+    out, llm = generate(target, cfg, ps, sp)
+    clear = [i for i, (p, r) in enumerate(zip(ps, ref)) if greedy_margin(target.hf, p, r) > 1e-4]
+    assert len(clear) >= 3 and [out[i] for i in clear] == [ref[i] for i in clear]
+    # the budget kept the first 5 listed: depth 3 through [0, 0, 0], not the 3 root children first
+    assert llm.pipeline.proposer.drafter.static_shape(5)[3] == 3
+    with pytest.raises(ValueError, match="required for tree.kind=static"):
+        DraftModelConfig(path=str(heads), tree={"kind": "static"})
+
+
 def test_a_tree_deeper_than_the_heads_or_dynamic_is_refused(tiny_llama) -> None:
     target = tiny_llama(vocab=VOCAB, seed=0)
     deep = MedusaConfig(path=str(medusa_for(target, "medusa")), num_speculative_tokens=5,

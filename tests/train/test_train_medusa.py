@@ -38,6 +38,14 @@ def test_medusa_recipe_resumes_and_loads(tiny: dict[str, Path], tmp_path: Path, 
     assert heads.config.shared_lm_head != own and heads.config.hidden_size == 32
     m = json.loads((out / "manifest.json").read_text())
     assert m["recipe"] == "medusa" and 1.0 <= m["heldout"]["shipped"]["tau"] <= 4.0
+    # the shipped heads' static tree: likeliest first, each prefix a tree, τ predicted from the accuracies
+    from specdec.spec.tree import static_tree
+
+    tree = m["heldout"]["shipped"]["static_tree"]
+    acc, choices = tree["rank_accuracy"], tree["choices"]
+    assert len(acc) == 3 and max(len(c) for c in choices) <= 3
+    static_tree(choices, budget=5)
+    assert tree["expected_tau"]["1"] == pytest.approx(1 + acc[0][0], abs=1e-3)
 
 
 def test_medusa_loss_falls_and_the_simulation_counts_the_pipelines_steps(tiny: dict[str, Path],  # noqa: F811
@@ -115,3 +123,19 @@ def test_medusa_argmax_target_scores_the_targets_greedy_token(tiny: dict[str, Pa
                     want = F.nll_loss(logq.flatten(0, 1), greedy[:, i : i + n].flatten())
                     assert losses[kind][f"ce_{i}"] == pytest.approx(float(want), rel=1e-5)
     assert losses["soft"]["ce_0"] != pytest.approx(losses["argmax"]["ce_0"], rel=1e-5)  # the soft loss is another one
+
+
+def test_rank_accuracy_counts_hits_where_a_tree_could_reach() -> None:
+    from specdec.train.medusa import rank_accuracy
+
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 10]])  # prompt_len 2: roots t = 1, 2, 3
+    top = torch.zeros(1, 6, 2, 2, dtype=torch.long)  # [N, L, K=2 heads, R=2 ranks]
+    top[0, 1, 0] = torch.tensor([8, 0])  # head 0 at t=1: rank 0 is x_3
+    top[0, 2, 0] = torch.tensor([0, 9])  # t=2: rank 1 is x_4
+    top[0, 3, 0] = torch.tensor([0, 0])  # t=3: a miss
+    top[0, 1, 1] = torch.tensor([0, 9])  # head 1 at t=1: rank 1 is x_4 (reached: x_3 in head 0's top)
+    top[0, 2, 1] = torch.tensor([10, 0])  # t=2: rank 0 is x_5 (reached); t=3 has no x_6
+    acc = rank_accuracy(top, tokens, prompt_len=2)
+    assert acc == [[pytest.approx(1 / 3), pytest.approx(1 / 3)], [pytest.approx(1 / 2), pytest.approx(1 / 2)]]
+    top[0, 2, 0] = 0  # head 0 misses at t=2 too: head 1 is reached only at t=1
+    assert rank_accuracy(top, tokens, prompt_len=2)[1] == [0.0, 1.0]

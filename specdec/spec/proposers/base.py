@@ -41,7 +41,7 @@ import pkgutil
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.metadata import entry_points
 from typing import Any, ClassVar, TypeVar
 
@@ -92,11 +92,18 @@ class CheckpointProposerConfig(ProposerConfig):
     def __post_init__(self) -> None:
         if isinstance(self.tree, dict):  # LLM(method={"name": ..., "tree": {...}})
             object.__setattr__(self, "tree", TreeConfig(**self.tree))
+        if self.tree.kind == "static" and not self.tree.choices:
+            object.__setattr__(self, "tree", replace(self.tree, choices=self.shipped_tree_choices()))
         if self.tree.is_tree:  # γ counts the tree's nodes (rows verified per request)
             object.__setattr__(self, "num_speculative_tokens", self.tree.budget(self.num_speculative_tokens))
         super().__post_init__()
         if not self.path:
             raise ValueError(f"path ({self.path_is}) is required")
+
+    def shipped_tree_choices(self) -> list[list[int]]:
+        """A static tree's ``choices`` when the config gives none: the checkpoint's own list."""
+        raise ValueError("tree.choices (paths of top-k ranks, e.g. [[0], [1], [0, 0]]) is required for "
+                         "tree.kind=static")
 
 
 @dataclass

@@ -15,7 +15,9 @@ Medusa's own sampling rule, *typical acceptance*, is not distribution-
 preserving and is not offered: sampled Medusa runs here are exact.
 
 A static tree (``tree.kind=static``, ``tree.choices``: Medusa-choices rank
-paths, e.g. ``[[0], [1], [0, 0]]``; γ is then the node budget) gives node
+paths, e.g. ``[[0], [1], [0, 0]]``, likeliest first; none given: the list
+the heads' ``manifest.json`` ships, measured when they were trained; γ is
+then the node budget, and it keeps the first γ choices) gives node
 ``i`` the ``ranks[i]``-th top token of head ``depth[i] - 1``
 (``MedusaDrafter.tree_tokens``: Medusa's candidates); tree drafts are
 deterministic top-k (verified with q a point mass), at most K deep.
@@ -57,6 +59,20 @@ class MedusaConfig(CheckpointProposerConfig):
             raise ValueError("method.medusa.tree.kind=dynamic: Medusa heads draft one distribution per depth, "
                              "not per node; use kind=static (Medusa choices) or chain")
         super().__post_init__()
+
+    def shipped_tree_choices(self) -> list[list[int]]:
+        """The heads' own static tree: the likeliest-first list ``python -m specdec.train
+        train=medusa`` measured on held-out text (``manifest.json``: heldout.shipped.static_tree)."""
+        import json
+        from pathlib import Path
+
+        manifest = Path(self.path) / "manifest.json"
+        try:
+            return json.loads(manifest.read_text())["heldout"]["shipped"]["static_tree"]["choices"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"method.medusa.tree.choices is not given and {manifest} lists no static tree "
+                             f"(heldout.shipped.static_tree.choices; {type(e).__name__}: {e}); give the choices, "
+                             "e.g. [[0], [1], [0, 0]]") from e
 
 
 class MedusaDrafter(Drafter):
