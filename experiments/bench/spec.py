@@ -19,8 +19,9 @@ greedy output matched plain decoding) and the ``machine``.
 Token trees: every proposer in ``trees`` also runs as ``<name>_tree`` with a
 node budget (the method's γ for a tree) of each value of ``tree_budgets``: an
 EAGLE-2-style dynamic tree (``tree_top_k``, ``tree_depth``) for a config with
-a ``tree`` field, the static tree ``static_tree_choices`` (cut to the budget)
-for those in ``static_trees`` (Medusa), and ``ngram_branches`` branches under
+a ``tree`` field, the static tree ``static_tree_choices`` (cut to the budget;
+by default the heads' own list from their manifest) for those in
+``static_trees`` (Medusa), and ``ngram_branches`` branches under
 the root for n-gram (a config with ``branches``). Those rows sit
 beside the chains (``best``, ``speedup``, ``tau`` name them ``<name>_tree``);
 ``tree_budget`` in the JSON gives τ, speedup, mean tree size and accepted
@@ -51,7 +52,7 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional  # noqa: UP035 (OmegaConf reads typing generics)
 
 import torch
 
@@ -100,9 +101,8 @@ class SpecBenchConfig:
     tree_depth: int = 5
     static_trees: list[str] = field(default_factory=lambda: ["medusa"])  # these draft static_tree_choices
     # Medusa-style choices (paths of top-k ranks), parents first, likeliest first: a budget keeps a prefix.
-    static_tree_choices: list[list[int]] = field(default_factory=lambda: [
-        [0], [0, 0], [1], [0, 0, 0], [0, 1], [2], [1, 0], [0, 0, 0, 0], [0, 0, 1], [0, 2], [3], [1, 1],
-        [0, 1, 0], [2, 0], [0, 0, 0, 1], [1, 0, 0]])
+    # None: the drafter's own list (Medusa heads trained here ship one, measured on held-out text).
+    static_tree_choices: Optional[list[list[int]]] = None
     ngram_branches: int = 3  # ngram_tree: followers of the matched n-gram drafted as branches
 
 
