@@ -119,6 +119,24 @@ def probs_from_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor
     return probs
 
 
+def draw_drafts(logits: torch.Tensor, st: SamplingTensors | None, positions: torch.Tensor,
+                lane: int = LANE_DRAFT) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A drafter's tokens from its logits ``[B, V]`` or ``[B, n, V]``, drafts at sequence
+    ``positions`` ``[B]`` or ``[B, n]`` -> (tokens ``[B]`` / ``[B, n]``, q or None).
+
+    ``st`` None (an all-greedy batch): the argmax, no q. Else q =
+    :func:`probs_from_logits` (each request's temperature / top-k / top-p;
+    greedy rows one-hot) and a draw from it on ``lane`` at each position,
+    which is what verification replays: the drafts' q must be kept.
+    """
+    if st is None:
+        return greedy_tokens(logits), None
+    row = logits.dim() == 2
+    q = probs_from_logits(logits.unsqueeze(1) if row else logits, st)  # [B, n, V]
+    tokens = sample_from(q, st.seeds.unsqueeze(1), positions.unsqueeze(1) if row else positions, lane)
+    return (tokens.squeeze(1), q.squeeze(1)) if row else (tokens, q)
+
+
 def sampling_tensors(params: list, seeds: list[int], device: torch.device | str = "cpu") -> SamplingTensors:
     """Packs per-request :class:`~specdec.core.context.SamplingParams` into tensors."""
     temps = [p.temperature for p in params]

@@ -48,7 +48,7 @@ from specdec.core.context import TextContext
 from specdec.core.inputs import DecoderInputs, KVCacheTensors, MaskKind, move_tensors
 from specdec.core.kv_cache import block_table_array
 from specdec.core.pipeline_model import DecoderPipelineModel, compile_function, registered_pipeline_model
-from specdec.sampling import LANE_DRAFT, SamplingTensors, greedy_tokens, probs_from_logits, sample_from
+from specdec.sampling import SamplingTensors, draw_drafts
 from specdec.spec.forward_time import forward_time, time_calls
 from specdec.spec.tree import TreeConfig, expand_topk, node_rows, selected_tree, static_tree_shape, static_tree_tokens
 from specdec.spec.proposers.base import (
@@ -140,13 +140,10 @@ class DraftModelDrafter(Drafter):
         keys = gather_slots.shape[1] - steps  # keys through the first draft
         toks, probs = [], []
         for j in range(steps + 1):
-            if sampling is None:
-                t = greedy_tokens(logits)
-            else:
-                p = probs_from_logits(logits.unsqueeze(1), sampling).squeeze(1)  # [B, V]
-                t = sample_from(p, sampling.seeds, first_position + j, LANE_DRAFT)
-                probs.append(p)
+            t, q = draw_drafts(logits, sampling, first_position + j)  # [B], q [B, V] when sampled
             toks.append(t)
+            if q is not None:
+                probs.append(q)
             if j < steps:
                 step = _one_token_step(t, step_positions[j], step_slots[j], gather_slots[:, : keys + j + 1], kv,
                                        out_rows, logit_rows, q_index)

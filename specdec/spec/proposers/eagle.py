@@ -53,7 +53,7 @@ from specdec.core.kv_cache import BlockTable, KVCacheParams, PagedKVCache, block
 from specdec.core.pipeline_model import compile_decoder, compile_function
 from specdec.core.registry import Role
 from specdec.models.eagle import EagleHead, check_head_fits
-from specdec.sampling import LANE_DRAFT, SamplingTensors, greedy_tokens, probs_from_logits, sample_from
+from specdec.sampling import SamplingTensors, draw_drafts
 from specdec.spec.forward_time import time_calls
 from specdec.spec.tree import (
     TreeConfig,
@@ -176,13 +176,10 @@ class EagleDrafter(Drafter):
         keys = gather.shape[1] - (gamma - 1)
         toks, probs = [], []
         for j in range(gamma):
-            if sampling is None:
-                t = greedy_tokens(logits)
-            else:
-                p = probs_from_logits(logits.unsqueeze(1), sampling).squeeze(1)  # [B, V]
-                t = sample_from(p, sampling.seeds, pos0 + 2 + j, LANE_DRAFT)
-                probs.append(p)
+            t, q = draw_drafts(logits, sampling, pos0 + 2 + j)  # [B], q [B, V] when sampled
             toks.append(t)
+            if q is not None:
+                probs.append(q)
             if j + 1 < gamma:
                 h, logits = self.head(_one_token_step(t, pos0 + 1 + j, gather, keys + j + 1, kv, rows, logit_rows,
                                                        q_index), h)

@@ -31,7 +31,7 @@ from typing import ClassVar
 import torch
 
 from specdec.models.medusa import MedusaHeads, load_medusa
-from specdec.sampling import LANE_DRAFT, SamplingTensors, greedy_tokens, probs_from_logits, sample_from
+from specdec.sampling import SamplingTensors, draw_drafts
 from specdec.spec.proposers.base import (
     CheckpointProposerConfig,
     Drafter,
@@ -91,12 +91,9 @@ class MedusaDrafter(Drafter):
         if self.choices is not None:
             return self.tree_tokens(h, gamma)
         logits = self.heads(h, gamma)  # [B, γ, V], γ <= K
-        if sampling.all_greedy:
-            return DraftTree.chain(greedy_tokens(logits))
-        p = probs_from_logits(logits, sampling)  # [B, γ, V] (greedy rows: one-hot)
         # Draft j takes sequence position (bonus row's) + 2 + j.
         pos = (step.first_position + step.num_accepted).unsqueeze(1) + 2 + torch.arange(gamma, device=h.device)
-        return DraftTree.chain(sample_from(p, sampling.seeds.unsqueeze(1), pos, LANE_DRAFT), p)
+        return DraftTree.chain(*draw_drafts(logits, None if sampling.all_greedy else sampling, pos))
 
     def static_shape(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
         """The static tree cut to its first ``n`` choices (as listed): parents, ranks, depths [n], max depth, max children."""
