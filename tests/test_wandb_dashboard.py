@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,8 @@ def _chunks(data: bytes) -> Iterator[bytes]:
         if n == 0 and kind == 0:  # block padding
             pos += left
             continue
+        if pos + 7 + n > len(data):  # a chunk still being written
+            return
         chunk, pos = data[pos + 7:pos + 7 + n], pos + 7 + n
         if kind == 1:
             yield chunk
@@ -66,10 +69,20 @@ def read_offline_run(wandb_dir: Path) -> dict[str, Any]:
 
     files = list(Path(wandb_dir).glob("wandb/offline-run-*/run-*.wandb"))
     assert len(files) == 1, f"expected one offline run under {wandb_dir}, found {files}"
+    # run.finish() can return before W&B's service has written the log's tail (CI once
+    # read a file without the last history rows): wait for the closing exit record.
+    deadline = time.monotonic() + 60
+    while True:
+        records = []
+        for raw in _chunks(files[0].read_bytes()):
+            rec = pb.Record()
+            rec.ParseFromString(raw)
+            records.append(rec)
+        if (records and records[-1].WhichOneof("record_type") == "exit") or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     out: dict[str, Any] = {"run": None, "metrics": [], "history": [], "summary": {}, "artifacts": []}
-    for raw in _chunks(files[0].read_bytes()):
-        rec = pb.Record()
-        rec.ParseFromString(raw)
+    for rec in records:
         kind = rec.WhichOneof("record_type")
         if kind == "run":
             out["run"] = rec.run

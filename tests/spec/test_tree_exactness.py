@@ -156,9 +156,12 @@ def test_tree_budget_sets_gamma_and_config_errors() -> None:
     assert DraftModelConfig(path="x", num_speculative_tokens=8, tree=static).num_speculative_tokens == 3
     assert DraftModelConfig(path="x", num_speculative_tokens=2, tree=static).num_speculative_tokens == 2
     assert DraftModelConfig(path="x", num_speculative_tokens=4, tree={"kind": "dynamic", "top_k": 2}).tree.top_k == 2
-    for bad in (dict(kind="bush"), dict(kind="static"), dict(kind="static", choices=[[0, 1]]), dict(top_k=0)):
+    for bad in (dict(kind="bush"), dict(kind="static", choices=[[0, 1]]), dict(top_k=0)):
         with pytest.raises(ValueError):
             TreeConfig(**bad)
+    # A static tree without choices takes the drafter's shipped list; a draft model ships none.
+    with pytest.raises(ValueError, match="choices"):
+        DraftModelConfig(path="x", tree=TreeConfig(kind="static"))
 
 
 def test_tree_method_from_hydra_style_node() -> None:
