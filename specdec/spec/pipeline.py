@@ -445,7 +445,13 @@ class SpecDecodePipelineModel:
         if ctx.num_speculative_tokens is not None:
             g = min(g, ctx.num_speculative_tokens)
         left = ctx.sampling.max_new_tokens - ctx.num_generated - 1  # the bonus token is free
-        room = self.max_seq_len - len(ctx.tokens) - 1
+        room = self.max_seq_len - len(ctx.tokens) - 1  # KV slots for the drafts
+        if self.proposer.node_budget and left > 0:
+            # A tree's nodes sit side by side: only its depth adds tokens, so the tokens
+            # still wanted bound the depth, not the size (what a path accepts past
+            # max_new_tokens is dropped by TextContext.append). Cutting the node budget
+            # to them instead shrank every request's last trees.
+            return max(0, min(g, room))
         return max(0, min(g, left, room))
 
     def reserve(self, ctx: TextContext, num_new: int) -> None:
@@ -490,7 +496,9 @@ class SpecDecodePipelineModel:
         # runs past max_new_tokens or max_seq_len (gamma_for). The draft model
         # catches up and drafts the method's γ in every step.
         last = ctx.max_length(self.max_seq_len) - 1
-        out = {self.target.cache_name: self.target.blocks_for(last)}
+        if self.proposer.node_budget:  # a tree's nodes may run past max_new_tokens (gamma_for)
+            last = min(last - 1 + self.config.num_speculative_tokens, self.max_seq_len - 1)
+        out = {self.target.cache_name: self.target.blocks_for(max(last, 0))}
         draft = self._draft_cache()
         if draft is not None:
             out[draft.cache_name] = draft.blocks_for(self._draft_tokens(last))

@@ -190,6 +190,22 @@ def test_self_drafted_tree_accepts_along_the_top1_path(tiny_llama, generate) -> 
     assert c.per_position == [1.0] * 4 and c.tree_size == 4.0
 
 
+def test_a_requests_last_trees_keep_their_size(tiny_llama, generate) -> None:
+    # Only a tree's depth adds tokens: with fewer tokens left than nodes, a request
+    # still verifies its whole tree (what a path accepts past max_new_tokens is
+    # dropped). Cutting the node budget to the tokens left, as a chain's γ is cut,
+    # shrank every request's last trees: here to 2 of 6 nodes.
+    target = _target(tiny_llama, "full")
+    ps = _rand_prompts(21, 3, lo=3, hi=12)
+    sp = SamplingParams(max_new_tokens=3)
+    ref, _ = generate(target, None, ps, sp)
+    tree = TreeConfig(kind="dynamic", top_k=3, depth=2, total_tokens=6)
+    out, llm = generate(target, DraftModelConfig(path=str(target.path), tree=tree), ps, sp)
+    assert out == ref
+    c = llm.pipeline.stats().counts
+    assert c.tree_size == 6.0 and c.tau == 3.0, c.summary()
+
+
 @pytest.mark.parametrize("kind", ["dynamic", "static"])
 def test_tree_kv_pressure_preempts_and_recomputes_exactly(tiny_llama, generate, kind) -> None:
     target = _target(tiny_llama, "loopy")

@@ -243,6 +243,9 @@ class Proposer(ABC):
     # too, and ``tree_facts`` gives their host facts (max_depth, max_children).
     drafts_trees: bool = False
     tree_facts: tuple[int | None, int | None] = (None, None)
+    # True: γ is a tree's node budget. The nodes sit side by side and only the depth
+    # adds tokens, so a request's last steps keep their whole tree (gamma_for).
+    node_budget: bool = False
     drafter: Drafter
 
     def state_specs(self) -> list[StateSpec]:

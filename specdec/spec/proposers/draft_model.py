@@ -232,6 +232,7 @@ class DraftModelProposer(Proposer):
     def __init__(self, config: DraftModelConfig, deps: ProposerDeps) -> None:
         self.config = config
         self.tree = config.tree if config.tree.is_tree else None
+        self.node_budget = self.tree is not None
         self.pipeline = registered_pipeline_model(
             config.path, deps.runtime, cache_name="draft",
             extra_tokens=max(config.num_speculative_tokens, self._tree_rows(config.num_speculative_tokens)) + 1,

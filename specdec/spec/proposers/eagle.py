@@ -277,7 +277,7 @@ class EagleProposer(Proposer):
         self.config = config
         self.tree = config.tree if config.tree.is_tree else None
         if self.tree is not None:  # top-k trees: deterministic drafts (no q), their shapes in the store
-            self.drafts_trees = True
+            self.drafts_trees = self.node_budget = True
             self.samples_drafts = False  # type: ignore[misc]
             g = config.num_speculative_tokens
             if self.tree.kind == "dynamic":

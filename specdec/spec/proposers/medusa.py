@@ -141,7 +141,7 @@ class MedusaProposer(Proposer):
         if tree is None:
             self.max_speculative_tokens = heads.num_heads  # head i drafts the token i + 2 ahead: at most K
         else:  # top-k trees: deterministic drafts (no q), their shapes kept in the store
-            self.drafts_trees = True
+            self.drafts_trees = self.node_budget = True
             self.samples_drafts = False  # type: ignore[misc]
             self.drafter.choices = tuple(tuple(c) for c in tree.choices)
             g = config.num_speculative_tokens

@@ -199,6 +199,7 @@ def lookup_tree(tokens: list[int], index: _Index, max_n: int, min_n: int, k: int
 class NgramProposer(Proposer):
     def __init__(self, config: NgramConfig, deps: ProposerDeps | None = None) -> None:
         self.config = config
+        self.node_budget = config.branches > 1
         self.drafter = NgramDrafter()
         self._index: dict[str, _Index] = {}
         self.device = torch.device(deps.runtime.device if deps is not None else "cpu")
