@@ -6,8 +6,9 @@ speculation, sampled runs included (same seeds, same tokens). The τ check matte
 went astray still yields exact output (verification fixes it) but drafts
 garbage.
 
-Compiling takes a while on 2 cores (tens of seconds for the lot), so this
-module is one test over one tiny pair (and one over an EAGLE-3 head).
+Compiling takes a while on 2 cores (about 2 minutes for the draft-model test
+on a fresh machine), so ``make test`` runs that one over one tiny pair; the
+EAGLE-3 head's test and the attention groups' are marked slow (``make test-all``).
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-q"])
 
 
+@pytest.mark.slow  # about 3 minutes of compiling on 2 cores (make test-all runs it)
 def test_compiled_eagle_heads_draft_what_eager_ones_draft(tiny_llama, monkeypatch) -> None:
     # The head is compiled too (its one-layer paged forward, catch-up and
     # one-token steps): every step's drafts must be the eager head's drafts,
