@@ -202,7 +202,7 @@ class DraftAndVerify(nn.Module):
         nodes = None
         if branching:
             assert tree is not None and draft is not None
-            nodes = self._place_tree(target_inputs, tree, draft.gamma, draft_index, num_draft)
+            nodes, node_depths = self._place_tree(target_inputs, tree, draft.gamma, draft_index, num_draft)
         t = self._draft_laps(t)
         target_out = self.target(target_inputs)
         t = times.lap("target_forward", t)
@@ -210,7 +210,8 @@ class DraftAndVerify(nn.Module):
         path = depth = None
         if branching:
             assert tree is not None
-            out, acc, path, depth = self._verify_tree(target_inputs, tree, nodes, logits, sampling, positions)
+            out, acc, path, depth = self._verify_tree(target_inputs, tree, nodes, node_depths, logits, sampling,
+                                                      positions)
             fault = _tree_fault(logits, draft_probs, path, acc)
         elif sampling.all_greedy:
             # Not ragged: every request has the step's γ drafts, no per-request cut.
@@ -276,10 +277,11 @@ class DraftAndVerify(nn.Module):
     # -- token trees (specdec/spec/tree.py) --------------------------------------------
     @staticmethod
     def _place_tree(inputs: DecoderInputs, tree: DraftTree, n: int, draft_index: torch.Tensor,
-                    num_draft: torch.Tensor) -> torch.Tensor:
+                    num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sets a tree step's rope positions (root + depth) and ``tree_mask``;
         the node tokens are in place already. Request ``b`` feeds ``num_draft[b]``
-        node rows (its tree cut to that prefix); returns its real nodes [B]."""
+        node rows (its tree cut to that prefix); returns its real nodes [B] and
+        the nodes' depths [B, N]."""
         nodes = num_draft if tree.num_nodes is None else torch.minimum(tree.num_nodes, num_draft)
         root_row = inputs.logit_index.view(-1, n + 1)[:, 0]  # [B] packed row of each root
         dep = depths(tree.parents, nodes)  # [B, N]; padding 0: its row (or the root's) keeps the root's position
@@ -290,11 +292,11 @@ class DraftAndVerify(nn.Module):
         inputs.attention_groups = None  # (a tree mask spans the whole batch's [B, Q])
         inputs.tree_mask = packed_tree_mask(tree.parents, nodes, root_row - inputs.q_index[:, 0],
                                             inputs.q_index.shape[1])
-        return nodes
+        return nodes, dep
 
     @staticmethod
-    def _verify_tree(inputs: DecoderInputs, tree: DraftTree, nodes: torch.Tensor, logits: torch.Tensor,
-                     sampling: SamplingTensors, positions: torch.Tensor | None
+    def _verify_tree(inputs: DecoderInputs, tree: DraftTree, nodes: torch.Tensor, node_depths: torch.Tensor,
+                     logits: torch.Tensor, sampling: SamplingTensors, positions: torch.Tensor | None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Verifies a tree, then moves the accepted path's target KV entries into
         place (the caller truncates past it) -> tokens [B, D+1], num_accepted,
@@ -314,7 +316,7 @@ class DraftAndVerify(nn.Module):
         row_slots = inputs.slot_mapping.index_select(0, inputs.logit_index).view(b, n1)  # [B, N+1]
         src, dst = accepted_slot_moves(v.path, row_slots)
         compact_kv(inputs.kv_cache, src, dst)
-        depth = depths(tree.parents, nodes).amax(1) if tree.parents.shape[1] else nodes
+        depth = node_depths.amax(1) if tree.parents.shape[1] else nodes
         return v.tokens, v.num_accepted, v.path, depth
 
 

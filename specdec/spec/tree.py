@@ -556,8 +556,10 @@ def verify_tree_greedy(
     """
     b, n = tokens.shape
     dev = tokens.device
-    d = _max_depth(parents, num_nodes, max_depth)
     argmax = greedy_tokens(target_logits)  # [B, N+1]
+    if dev.type == "cpu" and b * n <= HOST_WALK_NODES:
+        return _walk_tree_greedy(tokens, parents, num_nodes, argmax, max_depth)
+    d = _max_depth(parents, num_nodes, max_depth)
     valid = valid_nodes(parents, num_nodes)  # [B, N]
     cur = torch.zeros(b, dtype=torch.long, device=dev)  # [B] current row
     alive = torch.ones(b, dtype=torch.bool, device=dev)  # [B] still descending
@@ -575,6 +577,41 @@ def verify_tree_greedy(
         path[:, k + 1] = torch.where(found, cur, -1)
         alive = found
     return TreeVerdict(path, out, (path >= 0).sum(1) - 1)
+
+
+# On the CPU a small batch's walk runs in Python over lists: tens of microseconds,
+# against about 0.4 ms for the ~15 eager tensor ops a level the loop above issues.
+HOST_WALK_NODES = 256
+
+
+def _walk_tree_greedy(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor | None,
+                      argmax: torch.Tensor, max_depth: int | None) -> TreeVerdict:
+    """:func:`verify_tree_greedy`'s walk on host lists (CPU tensors: no device sync), same rule."""
+    b, n = tokens.shape
+    am, tk, pr = argmax.tolist(), tokens.tolist(), parents.tolist()
+    real = num_nodes.tolist() if num_nodes is not None else [n] * b
+    paths, deepest = [], 0
+    for r in range(b):
+        kids: dict[int, list[int]] = {}
+        dep = [0] * real[r]
+        for i in range(real[r]):
+            kids.setdefault(pr[r][i], []).append(i)
+            dep[i] = 1 + (dep[pr[r][i]] if pr[r][i] >= 0 else 0)
+        deepest = max([deepest, *dep])
+        cur, path = -1, [0]
+        while max_depth is None or len(path) <= max_depth:
+            want = am[r][cur + 1]
+            nxt = next((i for i in kids.get(cur, ()) if tk[r][i] == want), None)
+            if nxt is None:
+                break
+            cur = nxt
+            path.append(cur + 1)
+        paths.append(path)
+    d = deepest if max_depth is None else max_depth
+    rows = [p + [-1] * (d + 1 - len(p)) for p in paths]
+    out = [[am[r][x] if x >= 0 else -1 for x in row] for r, row in enumerate(rows)]
+    return TreeVerdict(torch.tensor(rows, dtype=torch.long), torch.tensor(out, dtype=torch.long),
+                       torch.tensor([len(p) - 1 for p in paths], dtype=torch.long))
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -288,6 +288,29 @@ def test_greedy_chain_equals_verify_greedy() -> None:
     assert v.tokens.equal(out) and v.num_accepted.equal(acc)
 
 
+@pytest.mark.parametrize("max_depth", [None, 2])
+def test_greedy_host_walk_equals_the_tensor_walk(monkeypatch, max_depth) -> None:
+    # On the CPU a small batch is walked on host lists; both walks must agree on random
+    # ragged trees whose siblings may repeat a token (the first matching child wins).
+    from specdec.spec import tree as tree_mod
+
+    g = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        b, n, vocab = 3, int(torch.randint(1, 9, (1,), generator=g)), 3
+        parents = torch.stack([torch.randint(-1, max(i, 0), (b,), generator=g) if i else torch.full((b,), -1)
+                               for i in range(n)], 1)
+        tokens = torch.randint(vocab, (b, n), generator=g)
+        logits = torch.randn(b, n + 1, vocab, generator=g)
+        num_nodes = torch.randint(n + 1, (b,), generator=g)
+        args = dict(tokens=tokens, parents=parents, num_nodes=num_nodes, target_logits=logits, max_depth=max_depth)
+        host = verify_tree_greedy(**args)
+        monkeypatch.setattr(tree_mod, "HOST_WALK_NODES", -1)
+        dev = verify_tree_greedy(**args)
+        monkeypatch.undo()
+        assert host.path.equal(dev.path) and host.tokens.equal(dev.tokens), (parents, tokens, num_nodes)
+        assert host.num_accepted.equal(dev.num_accepted)
+
+
 # -- sampled verification: exact cases ---------------------------------------------------------
 
 
