@@ -175,17 +175,21 @@ def test_tree_method_from_hydra_style_node() -> None:
     assert dyn["draft_model"].num_speculative_tokens == 10
 
 
+def _self_drafted(tiny_llama, generate, ps: list[list[int]], sp: SamplingParams, tree: TreeConfig) -> Any:
+    """Counts of the target drafting its own tree over ``ps``, its output checked against plain decoding."""
+    target = _target(tiny_llama, "full")
+    ref, _ = generate(target, None, ps, sp)
+    out, llm = generate(target, DraftModelConfig(path=str(target.path), tree=tree), ps, sp)
+    assert out == ref
+    return llm.pipeline.stats().counts
+
+
 def test_self_drafted_tree_accepts_along_the_top1_path(tiny_llama, generate) -> None:
     # The drafter is the target: greedy, the top-1 child at every depth is the
     # target's argmax, so a top-1 chain-shaped tree is accepted whole.
-    target = _target(tiny_llama, "full")
-    ps = _rand_prompts(20, 4, lo=3, hi=20)
-    sp = SamplingParams(max_new_tokens=15)  # three steps of 4 accepted + 1 bonus
-    ref, _ = generate(target, None, ps, sp)
-    tree = TreeConfig(kind="dynamic", top_k=1, depth=4, total_tokens=4)
-    out, llm = generate(target, DraftModelConfig(path=str(target.path), tree=tree), ps, sp)
-    assert out == ref
-    c = llm.pipeline.stats().counts
+    c = _self_drafted(tiny_llama, generate, _rand_prompts(20, 4, lo=3, hi=20),
+                      SamplingParams(max_new_tokens=15),  # three steps of 4 accepted + 1 bonus
+                      TreeConfig(kind="dynamic", top_k=1, depth=4, total_tokens=4))
     assert c.alpha == 1.0 and c.tau == 5.0, c.summary()
     assert c.per_position == [1.0] * 4 and c.tree_size == 4.0
 
@@ -195,14 +199,8 @@ def test_a_requests_last_trees_keep_their_size(tiny_llama, generate) -> None:
     # still verifies its whole tree (what a path accepts past max_new_tokens is
     # dropped). Cutting the node budget to the tokens left, as a chain's γ is cut,
     # shrank every request's last trees: here to 2 of 6 nodes.
-    target = _target(tiny_llama, "full")
-    ps = _rand_prompts(21, 3, lo=3, hi=12)
-    sp = SamplingParams(max_new_tokens=3)
-    ref, _ = generate(target, None, ps, sp)
-    tree = TreeConfig(kind="dynamic", top_k=3, depth=2, total_tokens=6)
-    out, llm = generate(target, DraftModelConfig(path=str(target.path), tree=tree), ps, sp)
-    assert out == ref
-    c = llm.pipeline.stats().counts
+    c = _self_drafted(tiny_llama, generate, _rand_prompts(21, 3, lo=3, hi=12), SamplingParams(max_new_tokens=3),
+                      TreeConfig(kind="dynamic", top_k=3, depth=2, total_tokens=6))
     assert c.tree_size == 6.0 and c.tau == 3.0, c.summary()
 
 
