@@ -463,7 +463,7 @@ def train(cfg: TrainAppConfig, run_dir: str | Path) -> dict[str, Any]:
                                 "alpha": round(shipped_tau["alpha"], 4),
                                 **({"loss": round(shipped_loss["loss"], 5)} if shipped_loss else {}),
                                 # a recipe whose drafter builds static trees from ranks (Medusa) measures one
-                                **{k: shipped_tau[k] for k in ("static_tree",) if k in shipped_tau}},
+                                **({"static_tree": shipped_tau["static_tree"]} if "static_tree" in shipped_tau else {})},
                     "draft_model_same_prompts": comparison},
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
                         "threads": torch.get_num_threads(), "machine": platform.machine()},

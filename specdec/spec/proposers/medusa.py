@@ -25,7 +25,9 @@ deterministic top-k (verified with q a point mass), at most K deep.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -63,9 +65,6 @@ class MedusaConfig(CheckpointProposerConfig):
     def shipped_tree_choices(self) -> list[list[int]]:
         """The heads' own static tree: the likeliest-first list ``python -m specdec.train
         train=medusa`` measured on held-out text (``manifest.json``: heldout.shipped.static_tree)."""
-        import json
-        from pathlib import Path
-
         manifest = Path(self.path) / "manifest.json"
         try:
             return json.loads(manifest.read_text())["heldout"]["shipped"]["static_tree"]["choices"]
