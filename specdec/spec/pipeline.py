@@ -583,11 +583,10 @@ class SpecDecodePipelineModel:
             tt = TargetCost.measure(lambda b, n: forward_time(self.target, n, max(ctx, n), repeats=7, stat="min",
                                                               requests=b), bpts, g + 1)
             td = CostCurve(lambda b: self.proposer.draft_cost(b, ctx), bpts)
-            # A compiled drafter's full γ runs its steps as one graph: per draft, (one
-            # step + the fused γ - 1) / γ, cheaper than T_draft(B) (gamma.choose_gamma).
-            fused = {b: self.proposer.fused_steps_cost(b, ctx) for b in bpts}
-            fc = (CostCurve(lambda b: (td(b) + (fused[b] or 0.0)) / g, bpts)
-                  if None not in fused.values() else None)
+            # A compiled drafter's full γ runs its steps as one graph: per draft, that
+            # cost / γ, cheaper than T_draft(B) (gamma.choose_gamma).
+            fused = {b: self.proposer.fused_draft_cost(b, ctx) for b in bpts}
+            fc = (CostCurve(lambda b: (fused[b] or 0.0) / g, bpts) if None not in fused.values() else None)
             # A drafter's one-time read of a prompt it has not seen (one request, n tokens).
             npts = sorted({min(n, rt.max_seq_len - 1) for n in (16, 64, 256, 1024)})
             tc = CostCurve(self.proposer.catch_up_cost, npts)

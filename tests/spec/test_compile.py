@@ -1,7 +1,7 @@
 """``runtime.compile=true``: the decoders run through ``torch.compile`` and
 nothing observable changes — the same greedy tokens as eager plain decoding,
-and the same draft tokens (a draft model's γ - 1 one-token steps then run as
-one graph, greedy or sampled) (so the same τ and acceptance counts) as eager
+and the same draft tokens (a draft model's catch-up and γ - 1 one-token steps
+then run as one graph, greedy or sampled) (so the same τ and acceptance counts) as eager
 speculation, sampled runs included (same seeds, same tokens). The τ check matters: a compiled drafter whose KV-cache writes
 went astray still yields exact output (verification fixes it) but drafts
 garbage.
@@ -43,13 +43,18 @@ def _run(tiny_llama, compile_: bool) -> tuple[list[list[int]], list[list[int]], 
         assert spec.pipeline.module.target._compiled_call_impl is not None
         assert spec.pipeline.module.drafter.decoder._compiled_call_impl is not None
         # A step of the full γ drafts its one-token steps in one compiled graph: count those.
-        drafter, fused_calls = spec.pipeline.module.drafter, []
-        fused = drafter._fused
+        drafter, fused_calls, drafts, own_catch_ups = spec.pipeline.module.drafter, [], [], []
+        fused, forward, caught_up = drafter._fused, drafter.forward, drafter.caught_up
         drafter._fused = lambda *a: fused_calls.append(1) or fused(*a)
+        drafter.forward = lambda *a: drafts.append(1) or forward(*a)
+        drafter.caught_up = lambda: own_catch_ups.append(1) or caught_up()
     out = ([o.token_ids for o in plain.generate(PROMPTS, sp)], [o.token_ids for o in spec.generate(PROMPTS, sp)],
            spec.pipeline.stats().counts)
     if compile_:
         assert len(fused_calls) >= 4  # every request's first steps draft the full γ
+        # A fused drafting runs its catch-up inside the graph, not as a forward of its own
+        # (a step near a request's end drafts fewer and runs its catch-up apart).
+        assert len(fused_calls) + len(own_catch_ups) == len(drafts)
         fused_calls.clear()
     spec.pipeline.reset_stats()
     sampled = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=1.0, seed=5)

@@ -295,10 +295,10 @@ class Proposer(ABC):
         """Seconds one drafting forward takes for ``batch_size`` requests (0: model-free)."""
         return 0.0
 
-    def fused_steps_cost(self, batch_size: int, context_len: int) -> float | None:
-        """Seconds of the method's full γ's ``γ - 1`` one-token steps for ``batch_size``
-        requests where they run as one compiled graph; None: they do not (steps cost
-        :meth:`draft_cost` each)."""
+    def fused_draft_cost(self, batch_size: int, context_len: int) -> float | None:
+        """Seconds of all γ drafts of the method's full γ for ``batch_size`` requests where
+        its steps run as one compiled graph; None: they do not (each draft costs
+        :meth:`draft_cost`)."""
         return None
 
     def unseen_tokens(self, ctx: TextContext) -> int:

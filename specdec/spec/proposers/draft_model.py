@@ -7,10 +7,11 @@ feeding the previous draft token. All positions and KV slots are packed on the
 host beforehand, so the loop runs inside the draft-and-verify module without a
 host round trip. Its paged KV cache is rolled back in step with the target's.
 Compiled (``runtime.compile``), a step of the method's γ, greedy or sampled, runs
-its γ - 1 one-token steps as *one* compiled graph (``_chain_steps``): each separate call
-of a compiled decoder pays dynamo's guards and wrappers, about a third of a
-small drafter's forward on CPU (built-in pair, batch 1: 2.0 ms for the three
-steps at γ = 4 against 3.4 ms as three calls).
+its catch-up and its γ - 1 one-token steps as *one* compiled graph
+(``_draft_chain``): each separate call of a compiled decoder pays dynamo's
+guards and wrappers, about a third of a small drafter's forward on CPU
+(built-in pair, batch 1: 2.0 ms for the three steps at γ = 4 against 3.4 ms as
+three calls).
 
 **Token trees** (``tree=TreeConfig(kind=...)``, specdec/spec/tree.py): after
 the catch-up (the root's distribution), a top-k tree is drafted level by level:
@@ -37,6 +38,8 @@ simplest (the accepted path is short next to the rows a tree writes).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -44,9 +47,9 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from specdec.core.context import TextContext
+from specdec.core.context import SamplingParams, TextContext
 from specdec.core.inputs import DecoderInputs, KVCacheTensors, MaskKind, move_tensors
-from specdec.core.kv_cache import block_table_array
+from specdec.core.kv_cache import BlockTable, OutOfBlocks, block_table_array
 from specdec.core.pipeline_model import DecoderPipelineModel, compile_function, registered_pipeline_model
 from specdec.sampling import SamplingTensors, draw_drafts
 from specdec.spec.forward_time import forward_time, time_calls
@@ -91,10 +94,10 @@ class DraftModelDrafter(Drafter):
         self._row_cache: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}
         self.tree = tree if tree is not None and tree.is_tree else None
         self.max_gamma = max_gamma
-        # Compiled: a chain of the method's γ, greedy or sampled, drafts its γ - 1
-        # one-token steps in one graph (one call, not γ - 1 calls each paying dynamo's
+        # Compiled: a chain of the method's γ, greedy or sampled, runs its catch-up and
+        # γ - 1 one-token steps in one graph (one call, not γ calls each paying dynamo's
         # guards and wrappers); other γ (adaptive γ's smaller ones) step by step.
-        self._fused = (compile_function(self._chain_steps, pipeline.device)
+        self._fused = (compile_function(self._draft_chain, pipeline.device)
                        if pipeline.runtime.compile and self.tree is None else None)
         self._static: dict[int, Any] = {}  # static tree cut to n nodes -> its tensors and host facts
 
@@ -112,6 +115,13 @@ class DraftModelDrafter(Drafter):
     def forward(self, batch: DraftModelBatch, sampling: SamplingTensors) -> DraftTree:  # type: ignore[override]
         assert batch.catch_up is not None and batch.catch_up.kv_cache is not None
         kv = batch.catch_up.kv_cache
+        rows = self._rows(batch.first_position.shape[0], kv.k.device)
+        samp = None if sampling.all_greedy else sampling
+        if self._fused is not None and batch.tree_slots is None and batch.gamma == self.max_gamma > 1:
+            # Compiled, the method's γ runs catch-up and steps as one graph (module doc).
+            tokens, probs = self._fused(batch.catch_up, batch.step_positions, batch.step_slots,
+                                        batch.gather_slots, *rows, samp, batch.first_position)
+            return DraftTree.chain(tokens, probs)  # greedy: probs None (q one-hot, left implicit)
         logits = self.decoder(batch.catch_up).logits  # [B, V]
         self.caught_up()
         if batch.tree_slots is not None:
@@ -119,13 +129,20 @@ class DraftModelDrafter(Drafter):
             if self.tree.kind == "dynamic":
                 return self._dynamic_tree(batch, logits)
             return self._static_tree(batch, logits)
-        rows = self._rows(logits.shape[0], logits.device)
-        # Compiled, the method's γ runs its one-token steps as one graph (module doc).
-        fused = self._fused is not None and batch.gamma == self.max_gamma > 1
-        steps = self._fused if fused else self._chain_steps
-        tokens, probs = steps(logits, batch.step_positions, batch.step_slots, batch.gather_slots, kv, *rows,
-                              None if sampling.all_greedy else sampling, batch.first_position)
-        return DraftTree.chain(tokens, probs)  # greedy: probs None (q one-hot, left implicit)
+        tokens, probs = self._chain_steps(logits, batch.step_positions, batch.step_slots, batch.gather_slots, kv,
+                                          *rows, samp, batch.first_position)
+        return DraftTree.chain(tokens, probs)
+
+    def _draft_chain(self, catch_up: DecoderInputs, step_positions: torch.Tensor, step_slots: torch.Tensor,
+                     gather_slots: torch.Tensor, out_rows: torch.Tensor, logit_rows: torch.Tensor,
+                     q_index: torch.Tensor, sampling: SamplingTensors | None,
+                     first_position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The catch-up forward, then :meth:`_chain_steps`: a chain's whole drafting, for
+        ``torch.compile`` to take as one graph."""
+        assert catch_up.kv_cache is not None
+        logits = self.decoder(catch_up).logits  # [B, V]
+        return self._chain_steps(logits, step_positions, step_slots, gather_slots, catch_up.kv_cache, out_rows,
+                                 logit_rows, q_index, sampling, first_position)
 
     def _chain_steps(self, logits: torch.Tensor, step_positions: torch.Tensor, step_slots: torch.Tensor,
                      gather_slots: torch.Tensor, kv: KVCacheTensors, out_rows: torch.Tensor,
@@ -238,6 +255,7 @@ class DraftModelProposer(Proposer):
             extra_tokens=max(config.num_speculative_tokens, self._tree_rows(config.num_speculative_tokens)) + 1,
         )
         self._tree_base: dict[str, int] = {}  # request -> its draft cache length before this step's tree
+        self._compiled: set[bool] = set()  # batch kinds (several requests or one) whose drafting graphs compiled
         self.pipeline.build_module()  # the module the drafter calls is the one timed and executed
         vocab = self.pipeline.config.vocab_size
         target_vocab_size = deps.target.config.vocab_size
@@ -295,7 +313,15 @@ class DraftModelProposer(Proposer):
     def prepare(self, batch: list[TextContext], gamma: int, num_draft: list[int]) -> DraftModelBatch:
         if self.tree is not None:
             return self._prepare_tree(batch, gamma, num_draft)
-        packed = self.pipeline.prepare(batch)  # the catch-up; its KV cache serves every step
+        if self.drafter._fused is not None and gamma == self.config.num_speculative_tokens > 1 \
+                and (len(batch) > 1) not in self._compiled:
+            self._precompile(len(batch) > 1)
+        return self._pack_chain(batch, self.pipeline.prepare(batch).inputs, gamma, num_draft)
+
+    def _pack_chain(self, batch: list[TextContext], catch_up: DecoderInputs, gamma: int,
+                    num_draft: list[int]) -> DraftModelBatch:
+        """A chain step: the ``catch_up`` inputs (its KV cache serves every step), then the
+        positions and KV slots of the γ - 1 one-token steps, packed on the host (numpy)."""
         bs = self.pipeline.caches[0].block_size
         steps = max(gamma - 1, 0)
         # Positions and KV slots of the γ-1 one-token steps, on the host (numpy).
@@ -311,7 +337,7 @@ class DraftModelProposer(Proposer):
             gamma=gamma,
             num_draft=torch.tensor(num_draft, dtype=torch.long),
             first_position=torch.from_numpy(lens),
-            catch_up=packed.inputs,
+            catch_up=catch_up,
             step_positions=torch.from_numpy(pos),
             step_slots=torch.from_numpy(slots),
             gather_slots=torch.from_numpy(np.ascontiguousarray(gather)),  # fancy indexing may give F order
@@ -323,16 +349,15 @@ class DraftModelProposer(Proposer):
 
     def draft_forward_time(self, ctx_len: int, repeats: int = 10) -> float:
         """T_draft(1) of the analytic limit: one bare one-token forward, or, where the
-        method's γ drafts its one-token steps in one compiled graph, what a draft costs
-        that way: (a one-token catch-up + the fused γ - 1 steps) / γ, as the limit
-        charges γ · T_draft(1) (Medusa's heads are charged the same way)."""
-        one = forward_time(self.pipeline, 1, ctx_len, repeats=repeats)
+        method's γ drafts in one compiled graph, what a draft costs that way: that
+        graph (a one-token catch-up + γ - 1 steps) / γ, as the limit charges
+        γ · T_draft(1) (Medusa's heads are charged the same way)."""
         g = self.config.num_speculative_tokens
         if self.drafter._fused is None or g < 2:
-            return one
-        return (one + self._fused_time(ctx_len, g, repeats)) / g
+            return forward_time(self.pipeline, 1, ctx_len, repeats=repeats)
+        return self._fused_time(ctx_len, g, repeats) / g
 
-    def fused_steps_cost(self, batch_size: int, context_len: int) -> float | None:
+    def fused_draft_cost(self, batch_size: int, context_len: int) -> float | None:
         g = self.config.num_speculative_tokens
         if self.drafter._fused is None or g < 2:
             return None
@@ -341,16 +366,48 @@ class DraftModelProposer(Proposer):
     @torch.inference_mode()
     def _fused_time(self, ctx_len: int, gamma: int, repeats: int, *, requests: int = 1,
                     stat: str = "median") -> float:
-        """Seconds of the fused ``γ - 1`` one-token steps for ``requests`` requests at context ``ctx_len``."""
+        """Seconds of the compiled drafting of ``gamma`` tokens (a one-token catch-up, then
+        γ - 1 steps) for ``requests`` requests at context ``ctx_len``."""
+        with self._fused_args(ctx_len, gamma, requests, unseen=1) as args:
+            return time_calls(lambda: self.drafter._fused(*args), self.pipeline.device, repeats=repeats, stat=stat)
+
+    @contextmanager
+    def _fused_args(self, ctx_len: int, gamma: int, requests: int, unseen: int) -> Iterator[tuple[Any, ...]]:
+        """The compiled drafting's arguments (greedy) for ``requests`` throwaway requests of
+        ``ctx_len`` tokens, ``unseen`` of them not yet in the draft cache; freed on exit."""
         cache, dev = self.pipeline.caches[0], self.pipeline.device
-        with cache.scratch(requests, ctx_len + gamma - 1) as gather:  # [B, S]
-            positions = torch.arange(ctx_len, ctx_len + gamma - 1, device=dev).unsqueeze(1).expand(-1, requests)
-            slots = gather[:, ctx_len:].t()  # [γ-1, B]
-            dtype = next(self.drafter.decoder.parameters()).dtype
-            logits = torch.zeros(requests, self.pipeline.config.vocab_size, device=dev, dtype=dtype)
-            args = (logits, positions.contiguous(), slots.contiguous(), gather, cache.tensors,
-                    *self.drafter._rows(requests, dev), None, positions[0].contiguous())  # greedy
-            return time_calls(lambda: self.drafter._fused(*args), dev, repeats=repeats, stat=stat)
+        ctxs = [TextContext(request_id=f"__timing_{i}__", tokens=[1] * ctx_len, prompt_len=ctx_len,
+                            sampling=SamplingParams()) for i in range(requests)]
+        tables = [c.kv.setdefault(self.cache_name, BlockTable()) for c in ctxs]
+        try:
+            for table in tables:
+                cache.reserve(table, ctx_len + gamma - 1)
+                table.num_tokens = ctx_len - unseen
+            # A bare forward reads no per-request state: no state slots.
+            catch_up = self.pipeline.processor.prepare_initial_token_inputs([ctxs], with_state=False).inputs
+            catch_up.kv_cache = cache.tensors
+            b = self._pack_chain(ctxs, catch_up, gamma, [gamma] * requests)
+            yield (b.catch_up, b.step_positions, b.step_slots, b.gather_slots, *self.drafter._rows(requests, dev),
+                   None, b.first_position)
+        finally:
+            for table in tables:
+                cache.free(table)
+
+    @torch.inference_mode()
+    def _precompile(self, batched: bool) -> None:
+        """Compiles the drafting graphs of one request (``batched``: of several) for every
+        kind of catch-up — a whole prompt, one token (after a rejection), several (after
+        a full acceptance): each is its own graph, and one compiled in the middle of a
+        run would count its compile time as drafting."""
+        self._compiled.add(batched)
+        g, n = self.config.num_speculative_tokens, 2 if batched else 1
+        ctx = min(16, self.pipeline.runtime.max_seq_len)
+        try:
+            for unseen in (1, 2, ctx):
+                with self._fused_args(ctx, g, n, unseen) as args:
+                    self.drafter._fused(*args)
+        except OutOfBlocks:  # no room for throwaway requests now: the graphs compile when first met
+            pass
 
     def unseen_tokens(self, ctx: TextContext) -> int:
         return len(ctx.tokens) - ctx.processed(self.cache_name)

@@ -421,11 +421,13 @@ class EagleProposer(Proposer):
     def draft_cost(self, batch_size: int, context_len: int) -> float:
         return self._step_time(max(context_len, 1), repeats=7, requests=max(batch_size, 1), stat="min")
 
-    def fused_steps_cost(self, batch_size: int, context_len: int) -> float | None:
+    def fused_draft_cost(self, batch_size: int, context_len: int) -> float | None:
         g = self.config.num_speculative_tokens
         if self.drafter._fused is None or g < 2:
             return None
-        return self._step_time(max(context_len, 1), repeats=7, requests=max(batch_size, 1), stat="min", fused=g)
+        ctx, b = max(context_len, 1), max(batch_size, 1)  # the first step, then the fused γ - 1
+        return (self._step_time(ctx, repeats=7, requests=b, stat="min")
+                + self._step_time(ctx, repeats=7, requests=b, stat="min", fused=g))
 
     @torch.inference_mode()
     def _step_time(self, ctx_len: int, repeats: int, *, requests: int = 1, stat: str = "median",
