@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
 from specdec.core.context import SamplingParams, TextContext
+from specdec.core.inputs import DecoderInputs
 from specdec.core.kv_cache import BlockTable
 from specdec.core.pipeline_model import DecoderPipelineModel
 
@@ -45,19 +47,30 @@ def forward_time(pm: DecoderPipelineModel, n: int, ctx_len: int, *, repeats: int
     ``stat="median"`` for reporting; ``"min"`` for a cost model that must
     shrug off a busy machine (the least time is the intrinsic cost).
     """
-    ctx_len = max(ctx_len, n)
+    with bare_batch(pm, n, max(ctx_len, n), requests=requests) as (_, inputs):
+        return time_calls(lambda: pm.module(inputs), inputs.kv_cache.k.device, repeats=repeats, stat=stat)
+
+
+@contextmanager
+def bare_batch(pm: DecoderPipelineModel, n: int, ctx_len: int, *, requests: int = 1, extra_tokens: int = 0,
+               return_n_logits: int | None = None) -> Iterator[tuple[list[TextContext], DecoderInputs]]:
+    """``requests`` throwaway requests of ``ctx_len`` tokens whose last ``n`` are not yet
+    in ``pm``'s cache (room kept for ``extra_tokens`` more), and the packed inputs of
+    feeding those ``n`` (logits of the last ``return_n_logits``, default all ``n``);
+    their blocks are freed on exit."""
     cache = pm.caches[0]
     ctxs = [TextContext(request_id=f"__timing_{i}__", tokens=[1] * ctx_len, prompt_len=ctx_len,
                         sampling=SamplingParams()) for i in range(requests)]
     tables = [c.kv.setdefault(pm.cache_name, BlockTable()) for c in ctxs]
     try:
         for table in tables:
-            cache.reserve(table, ctx_len)
+            cache.reserve(table, ctx_len + extra_tokens)
             table.num_tokens = ctx_len - n
         # A bare forward reads no per-request state: no state slots.
-        inputs = pm.processor.prepare_initial_token_inputs([ctxs], return_n_logits=n, with_state=False).inputs
+        logits = n if return_n_logits is None else return_n_logits
+        inputs = pm.processor.prepare_initial_token_inputs([ctxs], return_n_logits=logits, with_state=False).inputs
         inputs.kv_cache = cache.tensors
-        return time_calls(lambda: pm.module(inputs), cache.tensors.k.device, repeats=repeats, stat=stat)
+        yield ctxs, inputs
     finally:
         for table in tables:
             cache.free(table)

@@ -47,12 +47,12 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from specdec.core.context import SamplingParams, TextContext
+from specdec.core.context import TextContext
 from specdec.core.inputs import DecoderInputs, KVCacheTensors, MaskKind, move_tensors
-from specdec.core.kv_cache import BlockTable, OutOfBlocks, block_table_array
+from specdec.core.kv_cache import OutOfBlocks, block_table_array
 from specdec.core.pipeline_model import DecoderPipelineModel, compile_function, registered_pipeline_model
 from specdec.sampling import SamplingTensors, draw_drafts
-from specdec.spec.forward_time import forward_time, time_calls
+from specdec.spec.forward_time import bare_batch, forward_time, time_calls
 from specdec.spec.tree import TreeConfig, expand_topk, node_rows, selected_tree, static_tree_shape, static_tree_tokens
 from specdec.spec.proposers.base import (
     CheckpointProposerConfig,
@@ -375,23 +375,12 @@ class DraftModelProposer(Proposer):
     def _fused_args(self, ctx_len: int, gamma: int, requests: int, unseen: int) -> Iterator[tuple[Any, ...]]:
         """The compiled drafting's arguments (greedy) for ``requests`` throwaway requests of
         ``ctx_len`` tokens, ``unseen`` of them not yet in the draft cache; freed on exit."""
-        cache, dev = self.pipeline.caches[0], self.pipeline.device
-        ctxs = [TextContext(request_id=f"__timing_{i}__", tokens=[1] * ctx_len, prompt_len=ctx_len,
-                            sampling=SamplingParams()) for i in range(requests)]
-        tables = [c.kv.setdefault(self.cache_name, BlockTable()) for c in ctxs]
-        try:
-            for table in tables:
-                cache.reserve(table, ctx_len + gamma - 1)
-                table.num_tokens = ctx_len - unseen
-            # A bare forward reads no per-request state: no state slots.
-            catch_up = self.pipeline.processor.prepare_initial_token_inputs([ctxs], with_state=False).inputs
-            catch_up.kv_cache = cache.tensors
+        # (Its catch-up: the last token's logits only, as the loop's.)
+        with bare_batch(self.pipeline, unseen, ctx_len, requests=requests, extra_tokens=gamma - 1,
+                        return_n_logits=1) as (ctxs, catch_up):
             b = self._pack_chain(ctxs, catch_up, gamma, [gamma] * requests)
-            yield (b.catch_up, b.step_positions, b.step_slots, b.gather_slots, *self.drafter._rows(requests, dev),
-                   None, b.first_position)
-        finally:
-            for table in tables:
-                cache.free(table)
+            yield (b.catch_up, b.step_positions, b.step_slots, b.gather_slots,
+                   *self.drafter._rows(requests, self.pipeline.device), None, b.first_position)
 
     @torch.inference_mode()
     def _precompile(self, batched: bool) -> None:
