@@ -22,6 +22,9 @@ Figures (last line, JSON):
   ratio can fall below 1.
 - ``outputs_equal``, ``model``, ``compile`` and the ``machine``.
 
+``cpu_linear=aten`` runs our projections through ``F.linear`` (MKL), as
+transformers does, instead of oneDNN (``specdec/core/linear.py``).
+
 ``compile=true`` runs ours with ``runtime.compile`` (the bare forward is then
 the compiled graph's; each shape compiles in an untimed warm-up first).
 """
@@ -67,9 +70,11 @@ class ArBenchConfig:
     overhead_steps: int = 100
     threads: int = 2
     compile: bool = False  # runtime.compile for ours
+    cpu_linear: str = "onednn"  # runtime.cpu_linear for ours: "onednn" or "aten" (F.linear, as transformers)
 
 
-def overhead_ratio(path: Path, steps: int, prompt_len: int, compile_: bool = False) -> tuple[float, float, float, int]:
+def overhead_ratio(path: Path, steps: int, prompt_len: int, compile_: bool = False,
+                   cpu_linear: str = "onednn") -> tuple[float, float, float, int]:
     """(median engine step, median bare forward, ratio) at batch 1, seconds, and the target's weight bytes.
 
     After each decode step (the request at context length L), a bare forward
@@ -78,7 +83,8 @@ def overhead_ratio(path: Path, steps: int, prompt_len: int, compile_: bool = Fal
     """
     max_len = prompt_len + steps + 8
     blocks = 2 * RuntimeConfig(max_batch_size=1, max_seq_len=max_len).blocks()
-    llm = LLM(path, runtime=RuntimeConfig(max_batch_size=1, max_seq_len=max_len, num_blocks=blocks, compile=compile_),
+    llm = LLM(path, runtime=RuntimeConfig(max_batch_size=1, max_seq_len=max_len, num_blocks=blocks, compile=compile_,
+                                          cpu_linear=cpu_linear),
               engine_config=EngineConfig(max_batch_size=1))
     if compile_:  # compile the prefill and decode graphs outside the timed steps
         llm.generate([list(range(1, prompt_len + 1))], SamplingParams(max_new_tokens=4, ignore_eos=True))
@@ -118,12 +124,13 @@ def hf_generate(model: Any, ids: torch.Tensor, new_tokens: int) -> list[list[int
 
 
 def ours_and_hf(
-    path: Path, hf: Any, prompts: list[list[int]], new_tokens: int, repeats: int, compile_: bool = False
+    path: Path, hf: Any, prompts: list[list[int]], new_tokens: int, repeats: int, compile_: bool = False,
+    cpu_linear: str = "onednn",
 ) -> Timing[list[list[int]]]:
     """Our plain decoding and transformers ``generate`` over ``prompts`` in one batch, interleaved (baseline: hf)."""
     b = len(prompts)
     ours = LLM(path, runtime=RuntimeConfig(max_batch_size=b, max_seq_len=len(prompts[0]) + new_tokens + 8,
-                                           compile=compile_),
+                                           compile=compile_, cpu_linear=cpu_linear),
                engine_config=EngineConfig(max_batch_size=b))
     sp = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     ids = torch.tensor(prompts)
@@ -142,19 +149,20 @@ def main(argv: list[str]) -> None:
         cfg.repeats, cfg.new_tokens, cfg.overhead_steps = 1, 32, 60
     pair = builtin_pair()
     path = checkpoint(cfg.model, pair and pair[0], layers=6)
-    step, fwd, ratio, nbytes = overhead_ratio(path, cfg.overhead_steps, cfg.prompt_len, cfg.compile)
+    step, fwd, ratio, nbytes = overhead_ratio(path, cfg.overhead_steps, cfg.prompt_len, cfg.compile,
+                                           cfg.cpu_linear)
     bound = nbytes / read_bandwidth()  # seconds to read every weight once
     print_table([{"engine_step_ms": step * 1e3, "bare_forward_ms": fwd * 1e3, "ratio": ratio,
                   "weight_read_bound_ms": bound * 1e3, "forward_vs_bound": fwd / bound}],
                 f"batch-1 decode step, {path}, {torch.get_num_threads()} threads, "
-                f"{'compiled' if cfg.compile else 'eager'}")
+                f"{'compiled' if cfg.compile else 'eager'}, linears through {cfg.cpu_linear}")
 
     hf = hf_model(path)
     g = torch.Generator().manual_seed(0)
     rows, ratios, equal = [], {}, True
     for b in cfg.batch_sizes:
         prompts = torch.randint(3, hf.config.vocab_size, (b, cfg.prompt_len), generator=g).tolist()
-        timing = ours_and_hf(path, hf, prompts, cfg.new_tokens, cfg.repeats, cfg.compile)
+        timing = ours_and_hf(path, hf, prompts, cfg.new_tokens, cfg.repeats, cfg.compile, cfg.cpu_linear)
         equal &= outputs_equal(timing.last("ours"), timing.last("hf"))
         ratios[str(b)] = timing.speedup("ours")
         tokens = b * cfg.new_tokens
@@ -165,7 +173,7 @@ def main(argv: list[str]) -> None:
     emit_json({"batch1_overhead_ratio": round(ratio, 4), "ours_vs_hf": {k: round(v, 3) for k, v in ratios.items()},
                "weight_read_bound_ms": round(bound * 1e3, 3), "bare_forward_ms": round(fwd * 1e3, 3),
                "forward_vs_bound": round(fwd / bound, 3), "outputs_equal": equal, "model": str(path),
-               "compile": cfg.compile})
+               "compile": cfg.compile, "cpu_linear": cfg.cpu_linear})
 
 
 if __name__ == "__main__":

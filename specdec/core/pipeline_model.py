@@ -32,6 +32,7 @@ from specdec.core.checkpoint import LoadedDecoder, load_decoder
 from specdec.core.context import RequestFailure, TextContext
 from specdec.core.inputs import DecoderOutputs, ModelOutputs
 from specdec.core.kv_cache import BlockTable, KVCacheParams, PagedKVCache
+from specdec.core.linear import pack_linears
 from specdec.core.registry import BuildContext, Role
 from specdec.core.state_store import RequestStateStore
 from specdec.spec.metrics import RunStats
@@ -65,6 +66,9 @@ class RuntimeConfig:
     threads: int | None = None  # torch.set_num_threads for a run; None: torch's default
     # CPU, glibc: keep tensors up to 32 MiB in the heap instead of a fresh mmap each (see keep_large_allocations)
     keep_allocations: bool = True
+    # CPU, float32/bfloat16: projections through oneDNN with packed weights ("onednn", see
+    # specdec/core/linear.py) or through F.linear ("aten", MKL's sgemm on torch's CPU wheel)
+    cpu_linear: str = "onednn"
 
     def __post_init__(self) -> None:
         for k in ("max_batch_size", "max_seq_len", "block_size", "data_parallel_degree", "tensor_parallel_degree"):
@@ -73,6 +77,8 @@ class RuntimeConfig:
         for k in ("num_blocks", "threads"):
             if getattr(self, k) is not None and getattr(self, k) < 1:
                 raise ValueError(f"runtime.{k} must be >= 1 or null, got {getattr(self, k)}")
+        if self.cpu_linear not in ("onednn", "aten"):
+            raise ValueError(f"runtime.cpu_linear must be onednn or aten, got {self.cpu_linear!r}")
         if self.dtype is not None and self.dtype not in ("float32", "float16", "bfloat16", "float64"):
             raise ValueError(f"runtime.dtype must be float32, float16, bfloat16, float64 or null, got {self.dtype!r}")
 
@@ -137,6 +143,7 @@ class DecoderPipelineModel:
             module.prepare_for_inference()
         if hasattr(module, "ensure_rope"):
             module.ensure_rope(self._max_positions, self.runtime.device)
+        pack_for_runtime(module, self.runtime)
         if self.runtime.compile:
             compile_decoder(module)
 
@@ -312,6 +319,13 @@ def check_positions(config: Any, runtime: RuntimeConfig, path: Path) -> None:
             f"in {path / 'config.json'}: the model has no positions past {limit - 1}; "
             f"set runtime.max_seq_len <= {limit}"
         )
+
+
+def pack_for_runtime(module: nn.Module, runtime: RuntimeConfig) -> int:
+    """Packs ``module``'s linears for oneDNN where ``runtime.cpu_linear`` asks for it and the
+    device and dtype allow (:mod:`specdec.core.linear`); the number packed. After loading
+    and ``prepare_for_inference``, before compiling."""
+    return pack_linears(module) if runtime.cpu_linear == "onednn" else 0
 
 
 def compile_decoder(module: nn.Module) -> None:

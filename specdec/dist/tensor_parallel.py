@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.core.linear import Linear
 from specdec.core.checkpoint import CheckpointError, _retie, iter_tensors, weight_files, weight_map
 from specdec.dist.group import DistContext, DistError
 
@@ -144,13 +145,13 @@ def shard_module(module: nn.Module, ctx: DistContext) -> dict[str, Shard]:
             out_f, in_f, bias = sub.out_features, sub.in_features, sub.bias is not None
             if style == "colwise":
                 a, b = _split(out_f, ctx, f"{name}: output features")
-                new = nn.Linear(in_f, b - a, bias=bias, device="meta")
+                new = Linear(in_f, b - a, bias=bias, device="meta")
                 shards[f"{name}.weight"] = Shard((out_f, in_f), 0, a, b)
                 if bias:
                     shards[f"{name}.bias"] = Shard((out_f,), 0, a, b)
             else:
                 a, b = _split(in_f, ctx, f"{name}: input features")
-                new = nn.Linear(b - a, out_f, bias=bias, device="meta")
+                new = Linear(b - a, out_f, bias=bias, device="meta")
                 shards[f"{name}.weight"] = Shard((out_f, in_f), 1, a, b)
                 if bias:
                     shards[f"{name}.bias"] = Shard((out_f,), rank0_only=True)

@@ -40,6 +40,7 @@ from torch import nn
 from specdec.core.inputs import DecoderInputs
 from specdec.core.registry import DecoderModule, Role, register
 from specdec.models.config import LlamaConfig, hf_config_dict
+from specdec.core.linear import Linear
 from specdec.models.llama import (MLP, Attend, Attention, DecoderLayer, DenseCausalAttend, RMSNorm, RopeTables,
                                   paged_attend)
 
@@ -163,7 +164,7 @@ class Eagle3Layer(nn.Module):
         self.self_attn = Attention(cfg, 0)
         a = self.self_attn
         for name, out in (("q_proj", a.n_heads), ("k_proj", a.n_kv), ("v_proj", a.n_kv)):
-            setattr(a, name, nn.Linear(2 * d, out * a.head_dim, bias=cfg.attention_bias))
+            setattr(a, name, Linear(2 * d, out * a.head_dim, bias=cfg.attention_bias))
         self.mlp = MLP(cfg)
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
@@ -271,7 +272,7 @@ class Eagle1Head(EagleHead):
         super().__init__(config)
         cfg = config.layer
         h, ht = cfg.hidden_size, config.target_hidden_size or cfg.hidden_size
-        self.fc = nn.Linear(h + ht, h, bias=config.fc_bias)
+        self.fc = Linear(h + ht, h, bias=config.fc_bias)
         layer = DecoderLayer(cfg, 0)
         del layer.input_layernorm  # the published layer 0 has none
         layer.input_layernorm = nn.Identity()
@@ -303,10 +304,10 @@ class Eagle3Head(EagleHead):
         super().__init__(config)
         cfg = config.layer
         h = cfg.hidden_size
-        self.fc = nn.Linear(config.feature_size, h, bias=False)
+        self.fc = Linear(config.feature_size, h, bias=False)
         self.midlayer = Eagle3Layer(cfg)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(h, config.num_draft_vocab, bias=False)
+        self.lm_head = Linear(h, config.num_draft_vocab, bias=False)
         nd = config.num_draft_vocab
         self.register_buffer("d2t", torch.zeros(nd, dtype=torch.long))  # target id - draft id
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool) if nd == cfg.vocab_size

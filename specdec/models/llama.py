@@ -23,6 +23,7 @@ from torch import nn
 from specdec.core.inputs import DecoderInputs, DecoderOutputs, KVCacheTensors, MaskKind
 from specdec.core.registry import DecoderModule, Role, register
 from specdec.models.config import LlamaConfig
+from specdec.core.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -37,23 +38,6 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
-
-
-def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenates ``linears``' weights (and biases) into one tensor and makes
-    each parameter a view of it: one matmul instead of several, no extra copy."""
-    w = torch.cat([m.weight.detach() for m in linears])
-    b = None
-    if linears[0].bias is not None:
-        b = torch.cat([m.bias.detach() for m in linears])
-    start = 0
-    for m in linears:
-        n = m.weight.shape[0]
-        m.weight.data = w[start : start + n]
-        if b is not None:
-            m.bias.data = b[start : start + n]
-        start += n
-    return w, b
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -247,25 +231,23 @@ class Attention(nn.Module):
         self.layer = layer
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         d = cfg.hidden_size
-        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=cfg.o_proj_bias)
+        self.q_proj = Linear(d, self.n_heads * self.head_dim, bias=cfg.attention_bias)
+        self.k_proj = Linear(d, self.n_kv * self.head_dim, bias=cfg.attention_bias)
+        self.v_proj = Linear(d, self.n_kv * self.head_dim, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, d, bias=cfg.o_proj_bias)
         if cfg.qk_norm:  # Qwen3: RMSNorm over each head before rope
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        # Set by fuse(): [q; k; v] rows. Non-persistent buffers, so .to() moves them.
-        self.register_buffer("qkv_weight", None, persistent=False)
-        self.register_buffer("qkv_bias", None, persistent=False)
+        self.qkv: Linear | None = None  # set by fuse(): [q; k; v] rows, outside the state_dict
 
     def fuse(self) -> None:
-        self.qkv_weight, self.qkv_bias = _fuse([self.q_proj, self.k_proj, self.v_proj])
+        self.qkv = Linear.fused([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
         h, kv, hd = self.n_heads, self.n_kv, self.head_dim  # x [T, d]; cos/sin [T, 1, D]
-        if self.qkv_weight is not None:
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (H + 2 Hkv) D]
+        if self.qkv is not None:
+            qkv = self.qkv(x)  # [T, (H + 2 Hkv) D]
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         qk = qkv[:, : (h + kv) * hd].unflatten(-1, (h + kv, hd))  # [T, H + Hkv, D]
@@ -275,7 +257,7 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         qk = qk * cos + rotate_half(qk) * sin  # rope on q and k at once
         q, k = qk.split([h, kv], dim=1)
-        out = F.linear(attend(self.layer, q, k, v), self.o_proj.weight, self.o_proj.bias)
+        out = self.o_proj(attend(self.layer, q, k, v))
         return out if self.reduce is None else self.reduce(out)  # tensor parallel: sum the ranks' partial rows
 
 
@@ -286,22 +268,20 @@ class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
-        # Set by fuse(): [gate; up] rows. Non-persistent buffers, so .to() moves them.
-        self.register_buffer("gate_up_weight", None, persistent=False)
-        self.register_buffer("gate_up_bias", None, persistent=False)
+        self.gate_proj = Linear(d, f, bias=cfg.mlp_bias)
+        self.up_proj = Linear(d, f, bias=cfg.mlp_bias)
+        self.down_proj = Linear(f, d, bias=cfg.mlp_bias)
+        self.gate_up: Linear | None = None  # set by fuse(): [gate; up] rows, outside the state_dict
 
     def fuse(self) -> None:
-        self.gate_up_weight, self.gate_up_bias = _fuse([self.gate_proj, self.up_proj])
+        self.gate_up = Linear.fused([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_weight is not None:
-            gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        out = F.linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
+        out = self.down_proj(F.silu(gate) * up)
         return out if self.reduce is None else self.reduce(out)  # tensor parallel: sum the ranks' partial rows
 
 
@@ -387,7 +367,7 @@ class LlamaDecoder(RopeTables, DecoderModule):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._init_rope()

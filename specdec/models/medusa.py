@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.core.registry import DecoderModule, Role, register
+from specdec.core.linear import Linear
 
 MEDUSA_ARCH = "MedusaModel"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -111,7 +112,7 @@ class ResBlock(nn.Module):
 
     def __init__(self, hidden_size: int) -> None:
         super().__init__()
-        self.linear = nn.Linear(hidden_size, hidden_size)
+        self.linear = Linear(hidden_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + F.silu(self.linear(x))
@@ -134,7 +135,7 @@ class MedusaHeads(DecoderModule):
             block = ResBlock(h)
             mods: list[nn.Module] = [block] * config.num_layers  # one module, applied L_m times (as published)
             if not config.shared_lm_head:
-                mods.append(nn.Linear(h, v, bias=False))
+                mods.append(Linear(h, v, bias=False))
             heads.append(nn.Sequential(*mods))
         self.medusa_head = nn.ModuleList(heads)
         self.__dict__["_lm_head"] = None  # the target's lm_head (shared layout): not a parameter of the heads

@@ -50,7 +50,7 @@ from specdec.core.checkpoint import load_decoder
 from specdec.core.context import TextContext
 from specdec.core.inputs import DecoderInputs, KVCacheTensors, MaskKind
 from specdec.core.kv_cache import BlockTable, KVCacheParams, PagedKVCache, block_table_array
-from specdec.core.pipeline_model import compile_decoder, compile_function
+from specdec.core.pipeline_model import compile_decoder, compile_function, pack_for_runtime
 from specdec.core.registry import Role
 from specdec.models.eagle import EagleHead, check_head_fits
 from specdec.sampling import SamplingTensors, draw_drafts
@@ -307,6 +307,7 @@ class EagleProposer(Proposer):
         built = target.build_module()  # the target module the step calls: borrow its embedding and head
         head.attach_target(built.model.embed_tokens, built.lm_head)
         head.prepare_for_inference()
+        pack_for_runtime(head, rt)
         self.max_positions = rt.max_seq_len + 2 * config.num_speculative_tokens + 2
         head.ensure_rope(self.max_positions, rt.device)
         if rt.compile:

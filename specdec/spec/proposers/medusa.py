@@ -32,6 +32,7 @@ from typing import ClassVar
 
 import torch
 
+from specdec.core.pipeline_model import pack_for_runtime
 from specdec.models.medusa import MedusaHeads, load_medusa
 from specdec.sampling import SamplingTensors, draw_drafts
 from specdec.spec.proposers.base import (
@@ -134,6 +135,7 @@ class MedusaProposer(Proposer):
         dtype = getattr(torch, rt.dtype) if rt.dtype else built.lm_head.weight.dtype
         heads = load_medusa(config.path, target=target.config, dtype=dtype, device=rt.device)
         heads.attach_target(built.lm_head)
+        pack_for_runtime(heads, rt)
         self.heads = heads
         self.drafter = MedusaDrafter(heads)
         tree = config.tree if config.tree.is_tree else None

@@ -1,0 +1,77 @@
+"""``runtime.cpu_linear=onednn``: the models' projections through oneDNN with packed weights.
+
+What it must keep: the same values as ``F.linear`` (to float rounding), the same
+``state_dict``, gradients where a caller needs them, and — what makes it more
+than a speed switch — one row's result whatever rows share the call, so that a
+row verified among γ + 1 gets the bits it gets decoded alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec.core.linear import Linear, onednn_available, pack_linears, rows_independent
+from specdec.core.pipeline_model import RuntimeConfig
+from specdec.models.config import LlamaConfig
+from specdec.models.llama import LlamaDecoder
+
+needs_onednn = pytest.mark.skipif(not onednn_available("cpu", torch.float32), reason="no oneDNN in this torch")
+SHAPES = [(256, 768), (768, 256), (256, 4096), (48, 80)]
+
+
+def _linear(n_in: int, n_out: int, dtype: torch.dtype, bias: bool = True, seed: int = 0) -> Linear:
+    torch.manual_seed(seed)
+    return Linear(n_in, n_out, bias=bias).to(dtype)
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_in,n_out", SHAPES)
+def test_packed_layer_computes_f_linear(n_in, n_out, dtype):
+    layer = _linear(n_in, n_out, dtype)
+    x = torch.randn(2, 7, n_in).to(dtype)  # a leading batch dim too: [..., in]
+    want = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+    assert layer.pack()
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.shape == (2, 7, n_out) and got.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(got.double(), want, atol=tol * want.abs().max().item(), rtol=0)
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_in,n_out", SHAPES)
+def test_a_packed_rows_bits_do_not_depend_on_the_rows_beside_it(n_in, n_out, dtype):
+    layer = _linear(n_in, n_out, dtype, bias=False)
+    assert layer.pack()
+    assert rows_independent(layer)
+    # and the check can fail: a layer whose row depends on the batch's size is caught
+    unfair = _linear(n_in, n_out, dtype, bias=False)
+    unfair.forward = lambda x: F.linear(x, unfair.weight) + 0.5 * (x.shape[0] > 1)  # type: ignore[method-assign]
+    assert not rows_independent(unfair)
+
+
+@needs_onednn
+def test_packing_keeps_the_state_dict_and_gradients_take_f_linear():
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = LlamaDecoder(cfg)
+    keys = set(model.state_dict())
+    model.prepare_for_inference()  # fused q/k/v and gate/up: outside the state_dict
+    n = pack_linears(model)
+    assert n == 2 * 9 + 1  # per layer q, k, v, o, gate, up, down and the fused qkv, gate_up; lm_head
+    assert set(model.state_dict()) == keys
+    layer = model.model.layers[0].mlp.down_proj
+    x = torch.randn(3, 48, requires_grad=True)
+    layer(x).sum().backward()  # through F.linear: oneDNN's op has no backward here
+    assert torch.allclose(x.grad, layer.weight.detach().sum(0).expand(3, -1), atol=1e-5)
+
+
+def test_cpu_linear_is_checked():
+    with pytest.raises(ValueError, match="runtime.cpu_linear"):
+        RuntimeConfig(cpu_linear="mkl")
+    layer = _linear(8, 8, torch.float64)
+    assert not layer.pack() and layer.packed is None  # float64: not served, F.linear stays
