@@ -341,7 +341,9 @@ def load_config(cls: type[C], argv: Sequence[str]) -> C:
 
 
 def machine() -> dict[str, Any]:
-    """What a figure was measured on: CPU model, cores, torch threads, torch build, BLAS, GPU."""
+    """What a figure was measured on: CPU model, cores, torch threads, torch build, BLAS (torch's:
+    attention's matmuls, and projections under ``runtime.cpu_linear=aten``), whether oneDNN is
+    there (the projections' default on CPU), GPU."""
     cpu = platform.processor() or platform.machine()
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -355,6 +357,7 @@ def machine() -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "blas": blas.group(1) if blas else ("mkl" if torch.backends.mkl.is_available() else "unknown"),
+        "onednn": torch.backends.mkldnn.is_available(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
