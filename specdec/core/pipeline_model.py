@@ -32,7 +32,7 @@ from specdec.core.checkpoint import LoadedDecoder, load_decoder
 from specdec.core.context import RequestFailure, TextContext
 from specdec.core.inputs import DecoderOutputs, ModelOutputs
 from specdec.core.kv_cache import BlockTable, KVCacheParams, PagedKVCache
-from specdec.core.linear import pack_linears
+from specdec.core.linear import pack_linears, register_compiled_lowering
 from specdec.core.registry import BuildContext, Role
 from specdec.core.state_store import RequestStateStore
 from specdec.spec.metrics import RunStats
@@ -345,6 +345,7 @@ def compile_decoder(module: nn.Module) -> None:
     # cache holds the graphs of target and draft, each shape kind: raise its
     # limit (default 8) or later shapes silently fall back to eager.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    register_compiled_lowering()
     on_cpu = all(p.device.type == "cpu" for p in module.parameters())
     module.compile(dynamic=True, options=_compile_options(on_cpu))
 
@@ -357,6 +358,7 @@ def compile_function(fn: Callable[..., Any], device: torch.device) -> Callable[.
     """``fn`` under ``torch.compile`` as :func:`compile_decoder` compiles a decoder (shapes
     dynamic, Inductor's C++ wrapper on CPU). A decoder called inside ``fn`` is traced
     into ``fn``'s graph: several forwards become one call."""
+    register_compiled_lowering()
     return torch.compile(fn, dynamic=True, options=_compile_options(device.type == "cpu"))
 
 

@@ -75,3 +75,18 @@ def test_cpu_linear_is_checked():
         RuntimeConfig(cpu_linear="mkl")
     layer = _linear(8, 8, torch.float64)
     assert not layer.pack() and layer.packed is None  # float64: not served, F.linear stays
+
+
+@needs_onednn
+def test_compiled_packed_layer_runs_onednn_in_the_graph_and_matches_eager():
+    # Inductor lowers specdec::onednn_linear to oneDNN's C kernel with the packed weight
+    # passed as it is (a "contiguous" copy of an mkldnn tensor reads garbage).
+    from specdec.core.pipeline_model import compile_function
+
+    layer = _linear(64, 96, torch.float32)
+    assert layer.pack()
+    fn = compile_function(lambda x: F.silu(layer(x)), torch.device("cpu"))
+    with torch.inference_mode():
+        for rows in (3, 1, 7):
+            x = torch.randn(rows, 64)
+            assert torch.allclose(fn(x), F.silu(layer(x)), atol=1e-5, rtol=0)
