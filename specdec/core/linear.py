@@ -14,8 +14,7 @@ wheel). Why:
   runtime-sized kernel (weights packed for any batch) computes each output
   row in the same order whatever the number of rows; MKL's sgemm picks its
   kernel by shape, so a row verified among γ + 1 can differ in the last bits
-  from the same row decoded alone. :func:`rows_independent` checks it on this
-  machine; ``tests/models/test_linear.py`` holds it.
+  from the same row decoded alone; ``tests/core/test_linear.py`` holds it.
 
 The packed copy doubles the weights' memory (the dense weight stays: the
 ``state_dict``, tensor-parallel sharding and ``build_module`` read it) and is
@@ -120,15 +119,6 @@ def pack_linears(module: nn.Module) -> int:
     """Packs every :class:`Linear` in ``module`` for oneDNN (see the module docstring);
     the number packed."""
     return sum(m.pack() for m in module.modules() if isinstance(m, Linear))
-
-
-def rows_independent(layer: Linear, rows: tuple[int, ...] = (1, 2, 5, 9, 17, 64), seed: int = 0) -> bool:
-    """Whether ``layer`` gives each row the same bits whatever rows share its call."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(max(rows) + 3, layer.in_features, generator=g).to(layer.weight.dtype)
-    with torch.inference_mode():
-        full = layer(x)
-        return all(torch.equal(layer(x[s : s + n]), full[s : s + n]) for n in rows for s in (0, 3))
 
 
 def register_compiled_lowering() -> None:

@@ -38,9 +38,9 @@ import torch
 from torch import nn
 
 from specdec.core.inputs import DecoderInputs
+from specdec.core.linear import Linear
 from specdec.core.registry import DecoderModule, Role, register
 from specdec.models.config import LlamaConfig, hf_config_dict
-from specdec.core.linear import Linear
 from specdec.models.llama import (MLP, Attend, Attention, DecoderLayer, DenseCausalAttend, RMSNorm, RopeTables,
                                   paged_attend)
 

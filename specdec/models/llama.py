@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.core.inputs import DecoderInputs, DecoderOutputs, KVCacheTensors, MaskKind
+from specdec.core.linear import Linear
 from specdec.core.registry import DecoderModule, Role, register
 from specdec.models.config import LlamaConfig
-from specdec.core.linear import Linear
 
 
 class RMSNorm(nn.Module):

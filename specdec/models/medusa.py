@@ -44,8 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.core.registry import DecoderModule, Role, register
 from specdec.core.linear import Linear
+from specdec.core.registry import DecoderModule, Role, register
 
 MEDUSA_ARCH = "MedusaModel"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -12,13 +12,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec.core.linear import Linear, onednn_available, pack_linears, rows_independent
+from specdec.core.linear import Linear, onednn_available, pack_linears
 from specdec.core.pipeline_model import RuntimeConfig
 from specdec.models.config import LlamaConfig
 from specdec.models.llama import LlamaDecoder
 
 needs_onednn = pytest.mark.skipif(not onednn_available("cpu", torch.float32), reason="no oneDNN in this torch")
 SHAPES = [(256, 768), (768, 256), (256, 4096), (48, 80)]
+
+
+def rows_independent(layer: Linear, rows: tuple[int, ...] = (1, 2, 5, 9, 17, 64), seed: int = 0) -> bool:
+    """Whether ``layer`` gives each row the same bits whatever rows share its call."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(max(rows) + 3, layer.in_features, generator=g).to(layer.weight.dtype)
+    with torch.inference_mode():
+        full = layer(x)
+        return all(torch.equal(layer(x[s : s + n]), full[s : s + n]) for n in rows for s in (0, 3))
 
 
 def _linear(n_in: int, n_out: int, dtype: torch.dtype, bias: bool = True, seed: int = 0) -> Linear:
