@@ -167,3 +167,55 @@ def test_compiled_eagle_heads_draft_what_eager_ones_draft(tiny_llama, monkeypatc
     # Every compiled function ran whole: a graph break (the target's captured layers once
     # raised one) sends a frame back to eager and compiles its pieces one by one.
     assert not counters["graph_break"] and not counters["unimplemented"], dict(counters["unimplemented"])
+
+
+@pytest.mark.slow  # minutes of compiling on 2 cores (make test-all runs it)
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_compiled_eagle_tree_drafts_in_one_graph_what_eager_drafts(tiny_llama, monkeypatch, kind) -> None:
+    # Under compile a tree of the method's budget drafts every level (head forwards,
+    # top-k expansion, selection) in one graph: its trees must be the eager ones, node
+    # for node, the output plain decoding's, and the graph whole (no break).
+    from eagle_heads import head_for  # tests/spec/eagle_heads.py
+
+    from specdec.spec.proposers.eagle import Eagle3Config, EagleDrafter
+    from specdec.spec.tree import TreeConfig
+
+    target = tiny_llama(vocab=64, seed=0)
+    prompts = [[3, 5, 7, 11, 13, 17, 19], [1, 2], list(range(30))]
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    tree = (TreeConfig(kind="dynamic", top_k=2, depth=3) if kind == "dynamic"
+            else TreeConfig(kind="static", choices=[[0], [1], [0, 0], [0, 1], [0, 0, 0]]))
+    method = Eagle3Config(path=str(head_for(target, "eagle3-small-vocab")), num_speculative_tokens=5, tree=tree)
+    real = EagleDrafter.draft_after
+    trees: list[tuple[list[list[int]], list[list[int]], list[int]]] = []
+
+    def spy(self, step, gamma, sampling):
+        t = real(self, step, gamma, sampling)
+        trees.append((t.tokens.tolist(), t.parents.tolist(), t.num_nodes.tolist()))
+        return t
+
+    monkeypatch.setattr(EagleDrafter, "draft_after", spy)
+    plain = LLM(target.path, runtime=RuntimeConfig(max_batch_size=2, max_seq_len=96),
+                engine_config=EngineConfig(max_batch_size=2))
+    ref = [o.token_ids for o in plain.generate(prompts, sp)]
+    runs = {}
+    counters.clear()
+    for compile_ in (False, True):
+        trees.clear()
+        rt = RuntimeConfig(max_batch_size=2, max_seq_len=96, compile=compile_)
+        spec = LLM(target.path, method=method, runtime=rt, engine_config=EngineConfig(max_batch_size=2))
+        fused_calls: list[int] = []
+        if compile_:
+            drafter = spec.pipeline.proposer.drafter
+            fused = drafter._fused_tree
+            assert fused is not None and drafter._fused is None
+            drafter._fused_tree = lambda *a: fused_calls.append(1) or fused(*a)
+        out = [o.token_ids for o in spec.generate(prompts, sp)]
+        runs[compile_] = (out, list(trees), spec.pipeline.stats().counts)
+        if compile_:
+            assert len(fused_calls) >= 3
+    (eager, eager_trees, ec), (comp, comp_trees, cc) = runs[False], runs[True]
+    assert eager == ref and comp == ref
+    assert comp_trees == eager_trees and len(eager_trees) > 5
+    assert (cc.accepted, cc.proposed) == (ec.accepted, ec.proposed) and ec.accepted > 0
+    assert not counters["graph_break"] and not counters["unimplemented"], dict(counters["unimplemented"])

@@ -120,6 +120,10 @@ class EagleDrafter(Drafter):
         # its γ - 1 one-token steps as one compiled graph, as a draft model's does (draft_model.py).
         self._fused = (compile_function(self._chain_steps, fuse_on)
                        if fuse_on is not None and self.tree is None else None)
+        # ... and a tree of the method's budget drafts its levels (every head forward, the
+        # top-k expansion, the selection) as one compiled graph too.
+        self._fused_tree = (compile_function(self._tree_drafts, fuse_on)
+                            if fuse_on is not None and self.tree is not None else None)
         self._static: dict[int, Any] = {}  # static tree cut to n nodes -> its tensors and host facts
 
     def draft_after(self, step: TargetStep, gamma: int, sampling: SamplingTensors) -> DraftTree:
@@ -152,9 +156,14 @@ class EagleDrafter(Drafter):
             compact_kv(host.kv, src, dst)
         pos0 = inp.positions.index_select(0, bonus_row)  # [B] position of each bonus row
         if self.tree is not None:
-            if self.tree.kind == "dynamic":
-                return self._dynamic_tree(host, pos0, h, logits, gamma)
-            return self._static_tree(host, pos0, h, logits, gamma)
+            assert host.tree_slots is not None
+            fused = self._fused_tree is not None and gamma == self.max_gamma
+            shape = self.static_shape(gamma, logits.device) if self.tree.kind == "static" else None
+            tokens, parents, num_nodes = (self._fused_tree if fused else self._tree_drafts)(
+                logits, h, pos0, host.tree_slots, host.gather_slots, host.kv, host.max_ctx, gamma, shape)
+            depth, kids = (self.tree.depth, self.tree.top_k) if shape is None else (shape[5], shape[6])
+            return DraftTree(tokens=tokens, parents=parents, is_chain=False, num_nodes=num_nodes,
+                             max_depth=depth, max_children=kids)
         # Step j feeds the pair (own state, draft j) at position pos0 + 1 + j; its keys run
         # through the bound any request may reach, masked past its own.
         gather = host.gather_slots[:, : host.catch_keys + max(gamma - 1, 0)]
@@ -186,34 +195,46 @@ class EagleDrafter(Drafter):
         return torch.stack(toks, 1), (torch.stack(probs, 1) if probs else None)
 
     # -- token trees ----------------------------------------------------------------
-    def _run_nodes(self, host: EagleStepInputs, pos0: torch.Tensor, tokens: torch.Tensor, feature: torch.Tensor,
-                   own: torch.Tensor, anc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``M`` tree nodes per request, all at depth ``A + 1``, in one head forward
-        -> (h [B, M, H], logits [B, M, V]). Node ``(b, m)`` is the pair (its
-        parent's h ``feature[b, m]``, its token ``tokens[b, m]``) at position
-        ``pos0[b] + 1 + A``; it writes scratch slot ``own[b, m]`` and, fed as a
-        one-token request, reads its request's committed keys (positions
-        ``0 … pos0[b]``), its ``A`` ancestors' slots ``anc[b, m]`` (root side
-        first), then its own: key index == position."""
-        b, m = tokens.shape
-        # Committed head keys: positions 0 … pos0 (a request's may end before max_ctx: always masked).
-        one = node_rows(tokens, own, anc, pos0 + 1, host.gather_slots, host.max_ctx, host.kv, exact_context=False)
-        bm = b * m
-        h, logits = self.head(one, feature.reshape(bm, -1))
-        return h.view(b, m, -1), logits.view(b, m, -1)
+    def _tree_drafts(self, logits: torch.Tensor, h0: torch.Tensor, pos0: torch.Tensor, tree_slots: torch.Tensor,
+                     gather_slots: torch.Tensor, kv: KVCacheTensors, max_ctx: int, n: int,
+                     static: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A tree of ``n`` nodes per request from the catch-up's ``logits`` [B, V] and
+        state ``h0`` [B, H] at the bonus rows' positions ``pos0`` [B] -> (tokens [B, n],
+        parents [B, n], num_nodes [B]). ``tree_slots`` [B, R]: each request's scratch
+        head slots; ``gather_slots`` [B, S] / ``max_ctx``: its committed head keys (host
+        packing); ``static``: the static tree's shape (:meth:`static_shape`), None for a
+        dynamic tree. Tensors in but the sizes, for ``torch.compile`` to take whole."""
 
-    def _dynamic_tree(self, host: EagleStepInputs, pos0: torch.Tensor, h0: torch.Tensor, logits: torch.Tensor,
-                      n: int) -> DraftTree:
+        def run(tokens: torch.Tensor, feature: torch.Tensor, own: torch.Tensor,
+                anc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """``M`` nodes per request, all at depth ``A + 1``, in one head forward ->
+            (h [B, M, H], logits [B, M, V]). Node ``(b, m)`` is the pair (its parent's h
+            ``feature[b, m]``, its token ``tokens[b, m]``) at position ``pos0[b] + 1 + A``;
+            it writes scratch slot ``own[b, m]`` and, fed as a one-token request, reads its
+            request's committed keys (positions ``0 … pos0[b]``; a request's may end before
+            ``max_ctx``: always masked), its ``A`` ancestors' slots ``anc[b, m]`` (root side
+            first), then its own: key index == position."""
+            b, m = tokens.shape
+            one = node_rows(tokens, own, anc, pos0 + 1, gather_slots, max_ctx, kv, exact_context=False)
+            h, lg = self.head(one, feature.reshape(b * m, -1))
+            return h.view(b, m, -1), lg.view(b, m, -1)
+
+        if static is None:
+            return self._dynamic_tree(run, h0, logits, tree_slots, n)
+        return self._static_tree(run, h0, logits, tree_slots, static)
+
+    def _dynamic_tree(self, run: Any, h0: torch.Tensor, logits: torch.Tensor, tree_slots: torch.Tensor,
+                      n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """EAGLE-2's tree with the head (tree.expand_topk, dynamic_tree_select), ``n`` nodes."""
         cfg = self.tree
-        assert cfg is not None and host.tree_slots is not None
+        assert cfg is not None
         k = cfg.top_k
         b = logits.shape[0]
         calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (anc, own, h) of each frontier run
 
         def draft_fn(tok: torch.Tensor, front_parent: torch.Tensor) -> torch.Tensor:
             c = len(calls)
-            own = host.tree_slots[:, c * k : (c + 1) * k]  # [B, K] scratch rows of this frontier
+            own = tree_slots[:, c * k : (c + 1) * k]  # [B, K] scratch rows of this frontier
             if c == 0:
                 anc = own.new_zeros(b, k, 0)
                 feat = h0.unsqueeze(1).expand(b, k, h0.shape[-1])
@@ -222,14 +243,12 @@ class EagleDrafter(Drafter):
                 anc = torch.cat([pa.gather(1, front_parent.unsqueeze(2).expand(-1, -1, c - 1)),
                                  po.gather(1, front_parent).unsqueeze(2)], 2)
                 feat = ph.gather(1, front_parent.unsqueeze(2).expand(-1, -1, ph.shape[-1]))
-            hh, lg = self._run_nodes(host, pos0, tok, feat, own, anc)
+            hh, lg = run(tok, feat, own, anc)
             calls.append((anc, own, hh))
             return torch.log_softmax(lg.float(), -1)
 
         cand = expand_topk(torch.log_softmax(logits.float(), -1), draft_fn, cfg.depth, k)
-        tokens, parents, num_nodes = selected_tree(cand, cand.scores.nan_to_num(nan=float("-inf")), n)
-        return DraftTree(tokens=tokens, parents=parents, is_chain=False, num_nodes=num_nodes,
-                         max_depth=cfg.depth, max_children=k)
+        return selected_tree(cand, cand.scores.nan_to_num(nan=float("-inf")), n)
 
     def static_shape(self, n: int, device: torch.device | str = "cpu") -> Any:
         """The static tree cut to its first ``n`` nodes: (parents, ranks, levels
@@ -239,12 +258,11 @@ class EagleDrafter(Drafter):
             self._static[n] = static_tree_shape(self.tree.choices, n, device)
         return self._static[n]
 
-    def _static_tree(self, host: EagleStepInputs, pos0: torch.Tensor, h0: torch.Tensor, logits: torch.Tensor,
-                     n: int) -> DraftTree:
-        """The static ``choices`` tree (``n`` nodes), one head forward per level but the last."""
-        assert host.tree_slots is not None
-        par, ranks, levels, anc, kmax, max_depth, max_kids = self.static_shape(n, logits.device)
-        b = logits.shape[0]
+    def _static_tree(self, run: Any, h0: torch.Tensor, logits: torch.Tensor, tree_slots: torch.Tensor,
+                     shape: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The static tree ``shape`` (:meth:`static_shape`), one head forward per level but the last."""
+        par, ranks, levels, anc, kmax, _, _ = shape
+        b, n = logits.shape[0], par.shape[0]
         top = logits.new_zeros(b, n + 1, kmax, dtype=torch.long)  # top tokens at each row (0: the root)
         top[:, 0] = logits.topk(kmax, dim=-1).indices
         hs = h0.new_zeros(b, n + 1, h0.shape[-1])  # the head's h at each row (0: the root)
@@ -253,15 +271,13 @@ class EagleDrafter(Drafter):
         for d, (lo, hi) in enumerate(levels, start=1):
             tokens[:, lo:hi] = static_tree_tokens(par[lo:hi], ranks[lo:hi], top)
             if d < len(levels):  # this level's nodes have children: run them
-                own = host.tree_slots[:, lo:hi]
-                anc_slots = host.tree_slots.index_select(1, anc[lo:hi, : d - 1].reshape(-1)).view(b, hi - lo, d - 1)
+                own = tree_slots[:, lo:hi]
+                anc_slots = tree_slots.index_select(1, anc[lo:hi, : d - 1].reshape(-1)).view(b, hi - lo, d - 1)
                 feat = hs.index_select(1, par[lo:hi] + 1)  # [B, M, H] the parents' h
-                hh, lg = self._run_nodes(host, pos0, tokens[:, lo:hi], feat, own, anc_slots)
+                hh, lg = run(tokens[:, lo:hi], feat, own, anc_slots)
                 hs[:, lo + 1 : hi + 1] = hh
                 top[:, lo + 1 : hi + 1] = lg.topk(kmax, dim=-1).indices
-        return DraftTree(tokens=tokens, parents=par.expand(b, n), is_chain=False,
-                         num_nodes=torch.full((b,), n, dtype=torch.long, device=logits.device),
-                         max_depth=max_depth, max_children=max_kids)
+        return tokens, par.expand(b, n), torch.full((b,), n, dtype=torch.long, device=logits.device)
 
 
 @register_proposer("eagle", EagleConfig)
