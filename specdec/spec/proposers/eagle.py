@@ -23,7 +23,10 @@ nodes kept) or ``static`` (the ``choices`` paths, one forward per level).
 Each frontier node runs as its own one-token row fed (its parent's ``h``,
 its token) at position bonus + depth, whose keys are the request's committed
 head keys, then its ancestors' rows, then its own (key index == position),
-written to per-request scratch slots past everything the step fed. The tree
+written to per-request scratch slots past everything the step fed. Under
+``runtime.compile`` a tree of the method's whole budget drafts all its levels
+(head forwards, expansion, selection) as one compiled graph, as a chain of the
+method's γ runs its steps (:meth:`EagleDrafter._tree_drafts`). The tree
 waits in the store (tokens, parents, node count: deterministic, no q). The
 next step verifies it in one target forward; the catch-up then runs over
 the root and *all* tree rows with the target's ``tree_mask`` and rope
