@@ -61,8 +61,17 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def onednn_available(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether oneDNN can serve linears of ``dtype`` on ``device`` here."""
-    return torch.device(device).type == "cpu" and dtype in DTYPES and torch.backends.mkldnn.is_available()
+    """Whether oneDNN can serve linears of ``dtype`` on ``device`` here. bfloat16 needs the
+    CPU's support (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): an AVX2-only CPU (AMD Zen 1-3) has
+    none, and packing a bf16 weight there raises, so its bf16 layers keep ``F.linear``."""
+    if torch.device(device).type != "cpu" or dtype not in DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or onednn_bf16()
+
+
+def onednn_bf16() -> bool:
+    """Whether this CPU runs oneDNN's bfloat16 products."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class Linear(nn.Linear):

@@ -12,12 +12,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specdec.core import linear
 from specdec.core.linear import Linear, onednn_available, pack_linears
 from specdec.core.pipeline_model import RuntimeConfig
 from specdec.models.config import LlamaConfig
 from specdec.models.llama import LlamaDecoder
 
 needs_onednn = pytest.mark.skipif(not onednn_available("cpu", torch.float32), reason="no oneDNN in this torch")
+# oneDNN's bf16 products need AVX-512 BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only CPU has neither)
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not onednn_available("cpu", torch.bfloat16), reason="this CPU has no oneDNN bf16"))]
 SHAPES = [(256, 768), (768, 256), (256, 4096), (48, 80)]
 
 
@@ -36,7 +40,7 @@ def _linear(n_in: int, n_out: int, dtype: torch.dtype, bias: bool = True, seed: 
 
 
 @needs_onednn
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_in,n_out", SHAPES)
 def test_packed_layer_computes_f_linear(n_in, n_out, dtype):
     layer = _linear(n_in, n_out, dtype)
@@ -51,7 +55,7 @@ def test_packed_layer_computes_f_linear(n_in, n_out, dtype):
 
 
 @needs_onednn
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_in,n_out", SHAPES)
 def test_a_packed_rows_bits_do_not_depend_on_the_rows_beside_it(n_in, n_out, dtype):
     layer = _linear(n_in, n_out, dtype, bias=False)
@@ -99,3 +103,19 @@ def test_compiled_packed_layer_runs_onednn_in_the_graph_and_matches_eager():
         for rows in (3, 1, 7):
             x = torch.randn(rows, 64)
             assert torch.allclose(fn(x), F.silu(layer(x)), atol=1e-5, rtol=0)
+
+
+@needs_onednn
+def test_without_onednn_bf16_a_bf16_model_keeps_f_linear(monkeypatch):
+    # An AVX2-only CPU has no oneDNN bf16: packing a bf16 weight there raised, so a bf16
+    # run could not even load. Its bf16 layers must stay on F.linear; fp32 ones still pack.
+    monkeypatch.setattr(linear, "onednn_bf16", lambda: False)
+    layer = _linear(256, 768, torch.bfloat16)
+    assert not layer.pack() and layer.packed is None
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    assert pack_linears(LlamaDecoder(cfg).to(torch.bfloat16)) == 0
+    assert pack_linears(LlamaDecoder(cfg)) > 0
