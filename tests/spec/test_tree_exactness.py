@@ -224,21 +224,35 @@ def test_tree_kv_pressure_preempts_and_recomputes_exactly(tiny_llama, generate, 
 
 
 @pytest.mark.slow  # compiling takes minutes on a busy 2-core machine
-def test_compiled_tree_speculation_matches_eager(tiny_llama) -> None:
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_compiled_tree_speculation_matches_eager(tiny_llama, kind) -> None:
+    # Compiled, a tree of the method's budget drafts (catch-up, every level, selection) in one graph.
+    from torch._dynamo.utils import counters
+
     target = tiny_llama(vocab=64, seed=0)
     draft = tiny_llama(vocab=64, seed=0, perturb=0.01, perturb_seed=1)
     prompts_ = [[3, 5, 7, 11, 13, 17, 19], [1, 2], list(range(30))]
     sp = SamplingParams(max_new_tokens=10, ignore_eos=True)
-    method = DraftModelConfig(path=str(draft.path), tree=TreeConfig(kind="dynamic", top_k=2, depth=3, total_tokens=5))
+    tree = (TreeConfig(kind="dynamic", top_k=2, depth=3, total_tokens=5) if kind == "dynamic"
+            else TreeConfig(kind="static", choices=[[0], [1], [0, 0], [0, 1], [0, 0, 0]]))
+    method = DraftModelConfig(path=str(draft.path), tree=tree, num_speculative_tokens=5)
     ec = EngineConfig(max_batch_size=2)
     runs = {}
+    counters.clear()
     for compile_ in (False, True):
         rt = RuntimeConfig(max_batch_size=2, max_seq_len=64, compile=compile_)
         spec = LLM(target.path, method=method, runtime=rt, engine_config=ec)
+        fused_calls: list[int] = []
         if compile_:
             assert spec.pipeline.module.target._compiled_call_impl is not None
             assert spec.pipeline.module.drafter.decoder._compiled_call_impl is not None
+            drafter = spec.pipeline.module.drafter
+            fused = drafter._fused_tree
+            assert fused is not None
+            drafter._fused_tree = lambda *a: fused_calls.append(1) or fused(*a)
         runs[compile_] = ([o.token_ids for o in spec.generate(prompts_, sp)], spec.pipeline.stats().counts)
+        assert len(fused_calls) >= 3 or not compile_
+    assert not counters["graph_break"] and not counters["unimplemented"], dict(counters["unimplemented"])
     plain = LLM(target.path, runtime=RuntimeConfig(max_batch_size=2, max_seq_len=64), engine_config=ec)
     ref = [o.token_ids for o in plain.generate(prompts_, sp)]
     (eager, ec_), (comp, cc) = runs[False], runs[True]

@@ -99,6 +99,10 @@ class DraftModelDrafter(Drafter):
         # guards and wrappers); other γ (adaptive γ's smaller ones) step by step.
         self._fused = (compile_function(self._draft_chain, pipeline.device)
                        if pipeline.runtime.compile and self.tree is None else None)
+        # ... and a tree of the method's budget its catch-up and every level (forwards, top-k
+        # expansion, selection).
+        self._fused_tree = (compile_function(self._draft_tree, pipeline.device)
+                            if pipeline.runtime.compile and self.tree is not None else None)
         self._static: dict[int, Any] = {}  # static tree cut to n nodes -> its tensors and host facts
 
     def _rows(self, b: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -122,13 +126,23 @@ class DraftModelDrafter(Drafter):
             tokens, probs = self._fused(batch.catch_up, batch.step_positions, batch.step_slots,
                                         batch.gather_slots, *rows, samp, batch.first_position)
             return DraftTree.chain(tokens, probs)  # greedy: probs None (q one-hot, left implicit)
-        logits = self.decoder(batch.catch_up).logits  # [B, V]
-        self.caught_up()
         if batch.tree_slots is not None:
             assert self.tree is not None
-            if self.tree.kind == "dynamic":
-                return self._dynamic_tree(batch, logits)
-            return self._static_tree(batch, logits)
+            dev = batch.tree_slots.device
+            static = self._static_shape(batch.gamma, dev) if self.tree.kind == "static" else None
+            args = (batch.tree_slots, batch.gather_slots, batch.first_position, batch.num_draft, kv,
+                    batch.max_len, batch.gamma, static)
+            if self._fused_tree is not None and batch.gamma == self.max_gamma:
+                tokens, parents, num_nodes = self._fused_tree(batch.catch_up, *args)
+            else:
+                logits = self.decoder(batch.catch_up).logits  # [B, V]
+                self.caught_up()
+                tokens, parents, num_nodes = self._tree_drafts(logits, *args)
+            depth, kids = (self.tree.depth, self.tree.top_k) if static is None else (static[5], static[6])
+            return DraftTree(tokens=tokens, parents=parents, is_chain=False, num_nodes=num_nodes,
+                             max_depth=depth, max_children=kids)
+        logits = self.decoder(batch.catch_up).logits  # [B, V]
+        self.caught_up()
         tokens, probs = self._chain_steps(logits, batch.step_positions, batch.step_slots, batch.gather_slots, kv,
                                           *rows, samp, batch.first_position)
         return DraftTree.chain(tokens, probs)
@@ -168,40 +182,56 @@ class DraftModelDrafter(Drafter):
         return torch.stack(toks, dim=1), (torch.stack(probs, dim=1) if probs else None)
 
     # -- token trees ----------------------------------------------------------------
-    def _run_nodes(self, batch: DraftModelBatch, tokens: torch.Tensor, own: torch.Tensor,
-                   anc: torch.Tensor) -> torch.Tensor:
-        """Logits [B, M, V] of ``M`` tree nodes per request, all at depth ``A + 1``,
-        in one forward: node ``(b, m)`` holds ``tokens[b, m]``, writes draft slot
-        ``own[b, m]`` and sees its request's context then its ``A`` ancestors'
-        slots ``anc[b, m]`` (root to parent). It is fed as a one-token request
-        whose keys are exactly those: its key index is its position."""
-        assert batch.catch_up is not None and batch.catch_up.kv_cache is not None
-        b, m = tokens.shape
-        # The root is each request's last key: its context is first_position keys.
-        step = node_rows(tokens, own, anc, batch.first_position, batch.gather_slots, batch.max_len,
-                         batch.catch_up.kv_cache, exact_context=True)
-        return self.decoder(step).logits.view(b, m, -1)
+    def _draft_tree(self, catch_up: DecoderInputs, *args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The catch-up forward, then :meth:`_tree_drafts`: a tree's whole drafting, for
+        ``torch.compile`` to take as one graph."""
+        return self._tree_drafts(self.decoder(catch_up).logits, *args)
 
-    def _dynamic_tree(self, batch: DraftModelBatch, logits: torch.Tensor) -> DraftTree:
+    def _tree_drafts(self, logits: torch.Tensor, tree_slots: torch.Tensor, gather_slots: torch.Tensor,
+                     first_position: torch.Tensor, num_draft: torch.Tensor, kv: KVCacheTensors, max_len: int,
+                     n: int, static: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A tree of ``n`` nodes per request (each request's best ``num_draft[b]``) from the
+        catch-up's ``logits`` [B, V] -> (tokens [B, n], parents [B, n], num_nodes [B]).
+        ``tree_slots`` [B, R]: draft KV slot of each tree row; ``gather_slots`` [B, S] /
+        ``max_len``: each request's context (the root is its last key, ``first_position``
+        keys); ``static``: the static tree's shape (:meth:`_static_shape`), None for a
+        dynamic tree."""
+
+        def run(tokens: torch.Tensor, own: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
+            """Logits [B, M, V] of ``M`` tree nodes per request, all at depth ``A + 1``, in
+            one forward: node ``(b, m)`` holds ``tokens[b, m]``, writes draft slot
+            ``own[b, m]`` and sees its request's context then its ``A`` ancestors' slots
+            ``anc[b, m]`` (root to parent). It is fed as a one-token request whose keys are
+            exactly those: its key index is its position."""
+            b, m = tokens.shape
+            step = node_rows(tokens, own, anc, first_position, gather_slots, max_len, kv, exact_context=True)
+            return self.decoder(step).logits.view(b, m, -1)
+
+        if static is None:
+            return self._dynamic_tree(run, logits, tree_slots, num_draft, n)
+        return self._static_tree(run, logits, tree_slots, num_draft, static)
+
+    def _dynamic_tree(self, run: Any, logits: torch.Tensor, tree_slots: torch.Tensor, num_draft: torch.Tensor,
+                      n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """EAGLE-2's tree with the draft model (tree.expand_topk, dynamic_tree_select)."""
         cfg = self.tree
-        assert cfg is not None and batch.tree_slots is not None
-        k, n = cfg.top_k, batch.gamma
+        assert cfg is not None
+        k = cfg.top_k
         b = logits.shape[0]
         dev = logits.device
-        state: dict[str, torch.Tensor] = {}
+        calls: list[tuple[torch.Tensor, torch.Tensor]] = []  # (anc, own) of each frontier run
 
         def draft_fn(tok: torch.Tensor, front_parent: torch.Tensor) -> torch.Tensor:
-            c = len(state) // 2  # calls so far
-            own = batch.tree_slots[:, c * k : (c + 1) * k]  # [B, K] rows of this frontier
+            c = len(calls)
+            own = tree_slots[:, c * k : (c + 1) * k]  # [B, K] rows of this frontier
             if c == 0:
                 anc = own.new_zeros(b, k, 0)
             else:  # the parent's ancestors, then the parent
-                pa, po = state[f"anc{c - 1}"], state[f"own{c - 1}"]
+                pa, po = calls[c - 1]
                 anc = torch.cat([pa.gather(1, front_parent.unsqueeze(2).expand(-1, -1, c - 1)),
                                  po.gather(1, front_parent).unsqueeze(2)], 2)
-            state[f"anc{c}"], state[f"own{c}"] = anc, own
-            return torch.log_softmax(self._run_nodes(batch, tok, own, anc).float(), -1)
+            calls.append((anc, own))
+            return torch.log_softmax(run(tok, own, anc).float(), -1)
 
         cand = expand_topk(torch.log_softmax(logits.float(), -1), draft_fn, cfg.depth, k)
         m = cand.scores.shape[1]
@@ -209,10 +239,8 @@ class DraftModelDrafter(Drafter):
         # Each request's own budget: its best num_draft[b] candidates (a tree: see dynamic_tree_select).
         order = scores.sort(dim=1, descending=True, stable=True).indices
         rank = torch.empty_like(order).scatter_(1, order, torch.arange(m, device=dev).expand(b, m))
-        scores = scores.masked_fill(rank >= batch.num_draft.unsqueeze(1), float("-inf"))
-        tokens, parents, num_nodes = selected_tree(cand, scores, n)
-        return DraftTree(tokens=tokens, parents=parents, is_chain=False, num_nodes=num_nodes,
-                         max_depth=cfg.depth, max_children=k)
+        scores = scores.masked_fill(rank >= num_draft.unsqueeze(1), float("-inf"))
+        return selected_tree(cand, scores, n)
 
     def _static_shape(self, n: int, device: torch.device) -> Any:
         """The static tree cut to its first ``n`` nodes (tree.static_tree_shape; made once per n)."""
@@ -221,25 +249,22 @@ class DraftModelDrafter(Drafter):
             self._static[n] = static_tree_shape(self.tree.choices, n, device)
         return self._static[n]
 
-    def _static_tree(self, batch: DraftModelBatch, logits: torch.Tensor) -> DraftTree:
-        """The static ``choices`` tree, one draft forward per level but the last."""
-        assert batch.tree_slots is not None
-        n = batch.gamma
-        par, ranks, levels, anc, kmax, max_depth, max_kids = self._static_shape(n, logits.device)
-        b = logits.shape[0]
+    def _static_tree(self, run: Any, logits: torch.Tensor, tree_slots: torch.Tensor, num_draft: torch.Tensor,
+                     shape: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The static tree ``shape`` (:meth:`_static_shape`), one draft forward per level but the last."""
+        par, ranks, levels, anc, kmax, _, _ = shape
+        b, n = logits.shape[0], par.shape[0]
         top = logits.new_zeros(b, n + 1, kmax, dtype=torch.long)  # top tokens at each row (0: the root)
         top[:, 0] = logits.topk(kmax, dim=-1).indices
         tokens = logits.new_zeros(b, n, dtype=torch.long)
         for d, (lo, hi) in enumerate(levels, start=1):
             tokens[:, lo:hi] = static_tree_tokens(par[lo:hi], ranks[lo:hi], top)
             if d < len(levels):  # this level's nodes have children: run them
-                own = batch.tree_slots[:, lo:hi]
-                anc_slots = batch.tree_slots.index_select(1, anc[lo:hi, : d - 1].reshape(-1)).view(b, hi - lo, d - 1)
-                lg = self._run_nodes(batch, tokens[:, lo:hi], own, anc_slots)
+                own = tree_slots[:, lo:hi]
+                anc_slots = tree_slots.index_select(1, anc[lo:hi, : d - 1].reshape(-1)).view(b, hi - lo, d - 1)
+                lg = run(tokens[:, lo:hi], own, anc_slots)
                 top[:, lo + 1 : hi + 1] = lg.topk(kmax, dim=-1).indices
-        return DraftTree(tokens=tokens, parents=par.expand(b, n), is_chain=False,
-                         num_nodes=torch.minimum(batch.num_draft, torch.tensor(n, device=logits.device)),
-                         max_depth=max_depth, max_children=max_kids)
+        return tokens, par.expand(b, n), torch.minimum(num_draft, torch.full_like(num_draft, n))
 
 
 @register_proposer("draft_model", DraftModelConfig)
