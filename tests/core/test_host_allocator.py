@@ -26,22 +26,26 @@ if sys.argv[1] == "keep":
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 torch.ones(1)
 f0 = faults()
-for i in range(40):
-    t = torch.empty((1 << 20) + i * (128 << 10))  # 4 MiB, then 512 KiB more a round
+for nbytes in map(int, sys.argv[2:]):
+    t = torch.empty(nbytes // 4)  # float32
     t.fill_(1.0)
     del t
 print(faults() - f0)
 '''
 
 
+SIZES = [(4 << 20) + i * (512 << 10) for i in range(40)]  # bytes: 4 MiB, then 512 KiB more a round
+
+
 def _faults(mode: str) -> int:
-    out = subprocess.run([sys.executable, "-c", ROUNDS, mode], capture_output=True, text=True, check=True)
+    cmd = [sys.executable, "-c", ROUNDS, mode, *map(str, SIZES)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
 def test_large_temporaries_stop_faulting_once_kept() -> None:
     default, kept = _faults("default"), _faults("keep")
-    every_page = sum(((4 << 20) + i * (512 << 10)) // 4096 for i in range(40))
+    every_page = sum(n // 4096 for n in SIZES)
     assert default > 0.9 * every_page  # each round a fresh mmap, faulted page by page
     assert kept < every_page / 5  # the heap's pages reused; only its growth faults
