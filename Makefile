@@ -10,6 +10,8 @@ export TRANSFORMERS_OFFLINE := 1
 export WANDB_MODE ?= offline
 export WANDB_SILENT := true
 export PYTHONUNBUFFERED := 1
+# pytest workers: the tests run one torch thread each (tests/conftest.py), so one per core.
+TEST_WORKERS ?= 2
 
 .PHONY: install run test test-all bench clean
 
@@ -26,10 +28,10 @@ run: install
 	$(BIN)/python -m specdec.run $(ARGS)
 
 test: install
-	$(BIN)/python -m pytest -m "not slow and not gpu" $(ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow and not gpu" $(ARGS)
 
 test-all: install
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(ARGS)
 
 bench: install
 	$(BIN)/python experiments/bench/ar.py quick=true
