@@ -23,14 +23,18 @@ from specdec.core.pipeline_model import DecoderPipelineModel
 
 
 def time_calls(fn: Callable[[], object], device: torch.device, *, repeats: int, stat: str = "median",
-               warmup: int = 3) -> float:
+               warmup: int = 3, between: Callable[[], object] | None = None) -> float:
     """Seconds of one call of ``fn`` (after ``warmup`` untimed calls): the median, or the
-    least (``stat="min"``), of ``repeats`` timed calls, each synchronised to its end on a GPU."""
+    least (``stat="min"``), of ``repeats`` timed calls, each synchronised to its end on a GPU.
+    ``between``: untimed, before every timed call (say another model's forward, whose
+    reads then evict some of ``fn``'s weights from the caches, as in a speculative step)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        if between is not None:
+            between()
         sync(device)
         t = time.perf_counter()
         fn()
@@ -41,14 +45,16 @@ def time_calls(fn: Callable[[], object], device: torch.device, *, repeats: int, 
 
 @torch.inference_mode()
 def forward_time(pm: DecoderPipelineModel, n: int, ctx_len: int, *, repeats: int = 30, stat: str = "median",
-                 requests: int = 1) -> float:
+                 requests: int = 1, between: Callable[[], object] | None = None) -> float:
     """Seconds of one bare forward of ``n`` tokens for each of ``requests`` requests at context ``ctx_len``.
 
     ``stat="median"`` for reporting; ``"min"`` for a cost model that must
     shrug off a busy machine (the least time is the intrinsic cost).
+    ``between``: untimed, before each timed forward (:func:`time_calls`).
     """
     with bare_batch(pm, n, max(ctx_len, n), requests=requests) as (_, inputs):
-        return time_calls(lambda: pm.module(inputs), inputs.kv_cache.k.device, repeats=repeats, stat=stat)
+        return time_calls(lambda: pm.module(inputs), inputs.kv_cache.k.device, repeats=repeats, stat=stat,
+                          between=between)
 
 
 @contextmanager

@@ -311,6 +311,33 @@ def test_step_breakdown_sets_each_phase_beside_its_bare_cost() -> None:
     assert step_breakdown(no_catch, 0.08, bare, gamma=4)["phases"]["draft_steps"] == [6.0, 4.0]
 
 
+def test_after_draft_forward_time_runs_the_drafter_before_each_timed_verify(target, generate) -> None:
+    # t_target_g1_after_draft: the verification forward timed with the drafter's bare
+    # drafting just before every timed call (as a step runs them), and only then.
+    from specdec.measure import ForwardTimes, limit_forward_times, step_breakdown
+    from specdec.spec.metrics import RunStats
+
+    _, llm = generate(target, DraftModelConfig(path=str(target.path), num_speculative_tokens=3),
+                      [[3, 14, 15, 9]], SamplingParams(max_new_tokens=4))
+    proposer = llm.pipeline.proposer
+    own = proposer.draft_forward_time
+    calls: list[int] = []
+    proposer.draft_forward_time = lambda ctx, reps=10: calls.append(reps) or own(ctx, reps)
+    plain = limit_forward_times({"m": llm}, 16, rounds=2, repeats=3)["m"]
+    assert plain.t_target_g1_after_draft == 0.0 and calls == [3, 3]  # T_draft(1) once per round
+    calls.clear()
+    t = limit_forward_times({"m": llm}, 16, rounds=2, repeats=3, after_draft=True)["m"]
+    # Per round: T_draft(1) (3 repeats), then one drafting (1 repeat) before each of 3 timed forwards.
+    assert sorted(calls) == [1] * 6 + [3, 3]
+    assert t.t_target_g1_after_draft > 0
+    # The limit charges the bare forward unless asked for the after-draft one.
+    ft = ForwardTimes(t_target_1=0.010, t_target_g1=0.020, t_draft_1=0.001, t_target_g1_after_draft=0.025)
+    assert ft.limit(3.0, 4) == pytest.approx(3.0 * 0.010 / 0.024)
+    assert ft.limit(3.0, 4, after_draft=True) == pytest.approx(3.0 * 0.010 / 0.029)
+    b = step_breakdown(RunStats(spec_steps=1), 0.03, ft, gamma=4)
+    assert b["target_forward_after_draft_ms"] == 25.0 and b["phases"]["target_forward"][1] == 20.0
+
+
 def test_bench_checkpoints_in_scratch_dirs_go_when_the_process_exits() -> None:
     # Benches on random targets save checkpoints and heads per run; they must not pile up in /tmp.
     import os
