@@ -39,7 +39,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -301,7 +301,8 @@ def bare_forward_times(
 
 
 def limit_forward_times(
-    methods: Mapping[str, LLM], ctx_len: int, *, rounds: int = 5, repeats: int = 10, after_draft: bool = False
+    methods: Mapping[str, LLM], ctx_len: int, *, rounds: int = 5, repeats: int = 10,
+    after_draft: bool | Collection[str] = False,
 ) -> dict[str, ForwardTimes]:
     """Per speculative method (its ``LLM``): T_target(1) and T_target(γ+1) of its
     target, T_draft(1) of its drafter's one-token forward (a draft model's, an
@@ -309,8 +310,8 @@ def limit_forward_times(
 
     γ is the method's ``num_speculative_tokens`` (adaptive γ: the most it drafts).
     ``after_draft``: also T_target(γ+1) with the drafter's bare drafting run before
-    each timed forward (``ForwardTimes.t_target_g1_after_draft``), for methods with
-    a drafter.
+    each timed forward (``ForwardTimes.t_target_g1_after_draft``), for every method
+    with a drafter (True) or for those named.
     """
     runs: dict[tuple[str, str], tuple[DecoderPipelineModel, int] | Callable[[int, int], float]] = {}
     for name, llm in methods.items():
@@ -321,7 +322,7 @@ def limit_forward_times(
         proposer = pipe.proposer
         if proposer.draft_model is not None or type(proposer).draft_forward_time is not Proposer.draft_forward_time:
             runs[name, "td"] = proposer.draft_forward_time
-            if after_draft:
+            if after_draft is True or (after_draft and name in after_draft):
                 runs[name, "tg_after"] = (
                     lambda ctx, reps, pm=pipe.target, g1=g1, draft=proposer.draft_forward_time:
                     forward_time(pm, g1, ctx, repeats=reps, between=lambda: draft(ctx, 1)))
