@@ -1,23 +1,31 @@
-"""The models' linear layer, with an optional oneDNN path for CPU inference.
+"""The models' linear layer, with packed-weight kernels for CPU inference.
 
 Every projection of the built-in architectures is a :class:`Linear` (an
-``nn.Linear``: same parameters, same ``state_dict``). :func:`pack_linears`
-gives each one a copy of its weight in oneDNN's layout, after which the layer
-multiplies through oneDNN instead of ``F.linear`` (MKL's sgemm on torch's CPU
-wheel). Why:
+``nn.Linear``: same parameters, same ``state_dict``). :func:`pack_layers`
+gives each one a copy of its weight in a kernel's own layout, after which the
+layer multiplies through that kernel instead of ``F.linear`` (MKL's sgemm on
+torch's CPU wheel). Two kernels, by ``runtime.cpu_linear``:
 
-- **Speed on CPUs MKL does not favour.** On a 2-core AMD EPYC (Zen 4) the
-  built-in target's 41 matmuls took 4.7 ms a one-token forward through MKL and
-  3.2 ms through oneDNN; at 5 rows 5.9 against 2.3 ms, at 17 rows 8.2 against
-  3.2 (``experiments/bench/ar.py`` reports the path it ran). Where MKL is
-  strong it is the faster path: on a 2-core Intel Xeon (AVX-512) the compiled
-  one-token forward took 1.55 ms through MKL against 2.27 through oneDNN,
-  whose call costs ~14 us beside its 4 us kernel (256 x 256, one row).
-- **One row's result does not depend on the rows beside it.** oneDNN's
-  runtime-sized kernel (weights packed for any batch) computes each output
-  row in the same order whatever the number of rows; MKL's sgemm picks its
-  kernel by shape, so a row verified among γ + 1 can differ in the last bits
-  from the same row decoded alone; ``tests/core/test_linear.py`` holds it.
+- ``specdec`` (the default): our own, ``specdec/core/kernels/cpu.cpp``,
+  built on first use for float32. Each output is one fused multiply-add chain
+  over the inputs in order, whatever the number of rows or threads.
+- ``onednn``: oneDNN's runtime-sized kernel (weights packed for any batch),
+  which also computes each row in the same order whatever the number of rows.
+  It serves bfloat16, and float32 where our kernel could not be built.
+
+Why not ``F.linear``:
+
+- **One row's result must not depend on the rows beside it.** MKL's sgemm
+  picks its kernel by shape: on a 2-core Intel Xeon a row computed alone, or
+  among 11 or more rows, differed in its last bits from the same row among 2 to
+  10, so a token verified among γ + 1 could get other logits than decoded
+  alone. ``tests/core/test_linear.py`` holds both packed kernels to it.
+- **Call cost.** A decode step of a small model is dozens of small matmuls.
+  On that Xeon one 256 x 256 one-row product took 2-4 us through our kernel,
+  5 through MKL and 16-18 through oneDNN (whose kernel runs 4 us of that);
+  the built-in target's 41 projections at one row about 0.25, 0.45 and 0.85 ms.
+  On a 2-core AMD EPYC (Zen 4) MKL's one-token forward took 4.7 ms against
+  oneDNN's 3.2. ``experiments/bench/ar.py`` reports the kernel it ran.
 
 The packed copy doubles the weights' memory (the dense weight stays: the
 ``state_dict``, tensor-parallel sharding and ``build_module`` read it) and is
@@ -34,7 +42,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.core.kernels import cpu_kernels_available
+
 DTYPES = (torch.float32, torch.bfloat16)  # what oneDNN's packed linear serves here
+KERNELS = ("specdec", "onednn")  # what pack() can pack for
 
 
 # ``specdec::onednn_linear(x, packed, bias)``: oneDNN's linear as one opaque op, so that
@@ -77,15 +88,23 @@ def onednn_bf16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def row_kernel_serves(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether our own kernel (``specdec/core/kernels/cpu.cpp``) serves ``dtype`` on
+    ``device``: float32 on a CPU where it built (the first call builds it)."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32 and cpu_kernels_available()
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` that multiplies through oneDNN once :meth:`pack` ran (inference only:
-    a call that needs gradients takes ``F.linear``)."""
+    """``nn.Linear`` that multiplies through a packed-weight kernel once :meth:`pack` ran
+    (inference only: a call that needs gradients takes ``F.linear``)."""
 
     packed: torch.Tensor | None
+    kernel: str | None  # the kernel ``packed`` is laid out for: "specdec", "onednn" or None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, **kw: object) -> None:
         super().__init__(in_features, out_features, bias, **kw)  # type: ignore[arg-type]
         self.register_buffer("packed", None, persistent=False)
+        self.kernel = None
 
     @classmethod
     def fused(cls, linears: list[nn.Linear]) -> Linear:
@@ -107,30 +126,73 @@ class Linear(nn.Linear):
         out.register_buffer("weight", w, persistent=False)
         out.register_buffer("bias", b, persistent=False)
         out.register_buffer("packed", None, persistent=False)
+        out.kernel = None
         return out
 
-    def pack(self) -> bool:
-        """Packs the weight for oneDNN where it can serve it; whether it did."""
+    def pack(self, kernel: str = "specdec") -> bool:
+        """Packs the weight for ``kernel`` ("specdec" or "onednn") where it serves the
+        layer's device and dtype, else for oneDNN where that does; whether it packed."""
+        if kernel not in KERNELS:
+            raise ValueError(f"Linear.pack: kernel must be one of {KERNELS}, got {kernel!r}")
+        if kernel == "specdec" and row_kernel_serves(self.weight.device, self.weight.dtype):
+            self.packed = torch.ops.specdec_cpu.row_linear_pack(self.weight.detach())
+            self.kernel = "specdec"
+            return True
         if not onednn_available(self.weight.device, self.weight.dtype):
             return False
         self.packed = pack_weight(self.weight)
+        self.kernel = "onednn"
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, self.in_features).contiguous()
-        if torch.compiler.is_compiling():  # one opaque kernel in the graph
+        if self.kernel == "specdec":  # eager and compiled alike: the op (a C++ call in the graph)
+            out = torch.ops.specdec_cpu.row_linear.default(x2, self.packed, self.bias, self.out_features)
+        elif torch.compiler.is_compiling():  # one opaque kernel in the graph
             out = torch.ops.specdec.onednn_linear(x2, self.packed, self.bias)
         else:  # eager: oneDNN's op itself, without the library op's Python call around it
             out = _onednn_linear(x2, self.packed, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def pack_linears(module: nn.Module) -> int:
-    """Packs every :class:`Linear` in ``module`` for oneDNN (see the module docstring);
-    the number packed."""
-    return sum(m.pack() for m in module.modules() if isinstance(m, Linear))
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim: ``weight * x / sqrt(mean(x²) + eps)``, in float32 for
+    lower precisions. After :meth:`pack` ("specdec"), an eager float32 CPU call without
+    gradients runs our one-pass kernel (``specdec/core/kernels/cpu.cpp``): torch's eager
+    ``rms_norm`` is half a dozen ops on a CPU (~25 us a call on a 2-core Xeon, against ~2).
+    Compiled, Inductor fuses ``F.rms_norm`` itself."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.kernel: str | None = None
+
+    def pack(self, kernel: str = "specdec") -> bool:
+        """Has the layer use ``kernel`` where it serves the weight's device and dtype."""
+        self.kernel = "specdec" if kernel == "specdec" and row_kernel_serves(self.weight.device, self.weight.dtype) else None
+        return self.kernel is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            if (self.kernel is not None and not torch.compiler.is_compiling()
+                    and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+                return torch.ops.specdec_cpu.rms_norm.default(x, self.weight, self.eps)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # same arithmetic as below
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def pack_layers(module: nn.Module, kernel: str = "specdec") -> int:
+    """Packs every :class:`Linear` (and, for "specdec", :class:`RMSNorm`) in ``module`` for
+    ``kernel`` (see :meth:`Linear.pack` and the module docstring); the number of linears packed."""
+    for m in module.modules():
+        if isinstance(m, RMSNorm):
+            m.pack(kernel)
+    return sum(m.pack(kernel) for m in module.modules() if isinstance(m, Linear))
 
 
 def register_compiled_lowering() -> None:

@@ -32,7 +32,7 @@ from specdec.core.checkpoint import LoadedDecoder, load_decoder
 from specdec.core.context import RequestFailure, TextContext
 from specdec.core.inputs import DecoderOutputs, ModelOutputs
 from specdec.core.kv_cache import BlockTable, KVCacheParams, PagedKVCache
-from specdec.core.linear import pack_linears, register_compiled_lowering
+from specdec.core.linear import pack_layers, register_compiled_lowering
 from specdec.core.registry import BuildContext, Role
 from specdec.core.state_store import RequestStateStore
 from specdec.spec.metrics import RunStats
@@ -66,9 +66,9 @@ class RuntimeConfig:
     threads: int | None = None  # torch.set_num_threads for a run; None: torch's default
     # CPU, glibc: keep tensors up to 32 MiB in the heap instead of a fresh mmap each (see keep_large_allocations)
     keep_allocations: bool = True
-    # CPU, float32/bfloat16: projections through oneDNN with packed weights ("onednn", see
-    # specdec/core/linear.py) or through F.linear ("aten", MKL's sgemm on torch's CPU wheel)
-    cpu_linear: str = "onednn"
+    # CPU projections (specdec/core/linear.py): "specdec", our own packed kernel for float32
+    # (oneDNN for bfloat16); "onednn", oneDNN's packed kernel; "aten", F.linear (MKL's sgemm)
+    cpu_linear: str = "specdec"
 
     def __post_init__(self) -> None:
         for k in ("max_batch_size", "max_seq_len", "block_size", "data_parallel_degree", "tensor_parallel_degree"):
@@ -77,8 +77,8 @@ class RuntimeConfig:
         for k in ("num_blocks", "threads"):
             if getattr(self, k) is not None and getattr(self, k) < 1:
                 raise ValueError(f"runtime.{k} must be >= 1 or null, got {getattr(self, k)}")
-        if self.cpu_linear not in ("onednn", "aten"):
-            raise ValueError(f"runtime.cpu_linear must be onednn or aten, got {self.cpu_linear!r}")
+        if self.cpu_linear not in ("specdec", "onednn", "aten"):
+            raise ValueError(f"runtime.cpu_linear must be specdec, onednn or aten, got {self.cpu_linear!r}")
         if self.dtype is not None and self.dtype not in ("float32", "float16", "bfloat16", "float64"):
             raise ValueError(f"runtime.dtype must be float32, float16, bfloat16, float64 or null, got {self.dtype!r}")
 
@@ -322,10 +322,10 @@ def check_positions(config: Any, runtime: RuntimeConfig, path: Path) -> None:
 
 
 def pack_for_runtime(module: nn.Module, runtime: RuntimeConfig) -> int:
-    """Packs ``module``'s linears for oneDNN where ``runtime.cpu_linear`` asks for it and the
-    device and dtype allow (:mod:`specdec.core.linear`); the number packed. After loading
-    and ``prepare_for_inference``, before compiling."""
-    return pack_linears(module) if runtime.cpu_linear == "onednn" else 0
+    """Packs ``module``'s linears for ``runtime.cpu_linear``'s kernel where the device and
+    dtype allow (:mod:`specdec.core.linear`); the number packed (none for "aten"). After
+    loading and ``prepare_for_inference``, before compiling."""
+    return 0 if runtime.cpu_linear == "aten" else pack_layers(module, runtime.cpu_linear)
 
 
 def compile_decoder(module: nn.Module) -> None:

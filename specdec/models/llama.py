@@ -21,23 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.core.inputs import DecoderInputs, DecoderOutputs, KVCacheTensors, MaskKind
-from specdec.core.linear import Linear
+from specdec.core.linear import Linear, RMSNorm
 from specdec.core.registry import DecoderModule, Role, register
 from specdec.models.config import LlamaConfig
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op; same arithmetic as below
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,34 +1,46 @@
-"""``runtime.cpu_linear=onednn``: the models' projections through oneDNN with packed weights.
+"""``runtime.cpu_linear``: the models' projections (and norms) through packed-weight kernels.
 
-What it must keep: the same values as ``F.linear`` (to float rounding), the same
-``state_dict``, gradients where a caller needs them, and — what makes it more
-than a speed switch — one row's result whatever rows share the call, so that a
-row verified among γ + 1 gets the bits it gets decoded alone.
+Two kernels: ``specdec`` (our own, ``specdec/core/kernels/cpu.cpp``, float32) and
+``onednn`` (oneDNN's runtime-sized kernel, float32 and bfloat16). What each must
+keep: the same values as ``F.linear`` (to float rounding), the same ``state_dict``,
+gradients where a caller needs them, and — what makes it more than a speed switch —
+one row's result whatever rows share the call, so that a row verified among γ + 1
+gets the bits it gets decoded alone.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec.core import linear
-from specdec.core.linear import Linear, onednn_available, pack_linears
+from specdec.core import kernels, linear
+from specdec.core.kernels import cpu_kernels_available
+from specdec.core.linear import Linear, RMSNorm, onednn_available, pack_layers
 from specdec.core.pipeline_model import RuntimeConfig
 from specdec.models.config import LlamaConfig
 from specdec.models.llama import LlamaDecoder
 
 needs_onednn = pytest.mark.skipif(not onednn_available("cpu", torch.float32), reason="no oneDNN in this torch")
-# oneDNN's bf16 products need AVX-512 BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only CPU has neither)
-DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    not onednn_available("cpu", torch.bfloat16), reason="this CPU has no oneDNN bf16"))]
+needs_kernels = pytest.mark.skipif(not cpu_kernels_available(), reason="specdec's CPU kernels did not build here")
+# (kernel, dtype) pairs a packed layer serves. oneDNN's bf16 products need AVX-512 BW/VL/DQ
+# or AVX-NE-CONVERT (an AVX2-only CPU has neither).
+CASES = [
+    pytest.param("specdec", torch.float32, marks=needs_kernels, id="specdec-fp32"),
+    pytest.param("onednn", torch.float32, marks=needs_onednn, id="onednn-fp32"),
+    pytest.param("onednn", torch.bfloat16, id="onednn-bf16", marks=pytest.mark.skipif(
+        not onednn_available("cpu", torch.bfloat16), reason="this CPU has no oneDNN bf16")),
+]
 SHAPES = [(256, 768), (768, 256), (256, 4096), (48, 80)]
 
 
-def rows_independent(layer: Linear, rows: tuple[int, ...] = (1, 2, 5, 9, 17, 64), seed: int = 0) -> bool:
+def rows_independent(layer: torch.nn.Module, n_in: int, dtype: torch.dtype,
+                     rows: tuple[int, ...] = (1, 2, 5, 7, 9, 17, 64), seed: int = 0) -> bool:
     """Whether ``layer`` gives each row the same bits whatever rows share its call."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(max(rows) + 3, layer.in_features, generator=g).to(layer.weight.dtype)
+    x = torch.randn(max(rows) + 3, n_in, generator=g).to(dtype)
     with torch.inference_mode():
         full = layer(x)
         return all(torch.equal(layer(x[s : s + n]), full[s : s + n]) for n in rows for s in (0, 3))
@@ -39,47 +51,90 @@ def _linear(n_in: int, n_out: int, dtype: torch.dtype, bias: bool = True, seed: 
     return Linear(n_in, n_out, bias=bias).to(dtype)
 
 
-@needs_onednn
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kernel,dtype", CASES)
 @pytest.mark.parametrize("n_in,n_out", SHAPES)
-def test_packed_layer_computes_f_linear(n_in, n_out, dtype):
+def test_packed_layer_computes_f_linear(kernel, dtype, n_in, n_out):
     layer = _linear(n_in, n_out, dtype)
     x = torch.randn(2, 7, n_in).to(dtype)  # a leading batch dim too: [..., in]
     want = F.linear(x.double(), layer.weight.double(), layer.bias.double())
-    assert layer.pack()
+    assert layer.pack(kernel) and layer.kernel == kernel
     with torch.inference_mode():
         got = layer(x)
+        assert torch.equal(layer(x.transpose(0, 1)).transpose(0, 1), got)  # a strided input too
     assert got.shape == (2, 7, n_out) and got.dtype == dtype
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     assert torch.allclose(got.double(), want, atol=tol * want.abs().max().item(), rtol=0)
 
 
-@needs_onednn
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kernel,dtype", CASES)
 @pytest.mark.parametrize("n_in,n_out", SHAPES)
-def test_a_packed_rows_bits_do_not_depend_on_the_rows_beside_it(n_in, n_out, dtype):
+def test_a_packed_rows_bits_do_not_depend_on_the_rows_beside_it(kernel, dtype, n_in, n_out):
     layer = _linear(n_in, n_out, dtype, bias=False)
-    assert layer.pack()
-    assert rows_independent(layer)
+    assert layer.pack(kernel)
+    assert rows_independent(layer, n_in, dtype)
     # and the check can fail: a layer whose row depends on the batch's size is caught
     unfair = _linear(n_in, n_out, dtype, bias=False)
     unfair.forward = lambda x: F.linear(x, unfair.weight) + 0.5 * (x.shape[0] > 1)  # type: ignore[method-assign]
-    assert not rows_independent(unfair)
+    assert not rows_independent(unfair, n_in, dtype)
 
 
-@needs_onednn
-def test_packing_keeps_the_state_dict_and_gradients_take_f_linear():
+@needs_kernels
+def test_our_kernels_give_the_same_bits_on_one_thread_as_on_two():
+    # Threads split a layer's outputs (whole panels), never its sums: a run's figures must
+    # not depend on runtime.threads. The vocabulary head and a wide batch use both threads.
+    layer, norm = _linear(256, 4096, torch.float32), RMSNorm(256, 1e-6)
+    assert layer.pack("specdec") and norm.pack("specdec")
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(37, 256)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            with torch.inference_mode():
+                outs.append((layer(x), norm(x)))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@needs_kernels
+@pytest.mark.parametrize("d", [256, 16, 40])  # a row of whole vectors, a Qwen3 head, a ragged tail
+def test_packed_rms_norm_computes_f_rms_norm_per_row(d):
+    norm = RMSNorm(d, 1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 9, d) * 3
+    want = F.rms_norm(x.double(), (d,), norm.weight.double(), 1e-6)
+    assert norm.pack("specdec")
+    with torch.inference_mode():
+        got = norm(x)
+        assert torch.equal(norm(x.transpose(0, 1)).transpose(0, 1), got)  # a strided input (q/k heads)
+    assert got.shape == x.shape
+    assert torch.allclose(got.double(), want, atol=1e-5 * want.abs().max().item(), rtol=0)
+    assert rows_independent(norm, d, torch.float32)
+    # with gradients wanted, F.rms_norm (the kernel has no backward)
+    xg = x.clone().requires_grad_(True)
+    norm(xg).sum().backward()
+    assert xg.grad is not None and xg.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("kernel", [pytest.param("specdec", marks=needs_kernels),
+                                    pytest.param("onednn", marks=needs_onednn)])
+def test_packing_keeps_the_state_dict_and_gradients_take_f_linear(kernel):
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     model = LlamaDecoder(cfg)
     keys = set(model.state_dict())
     model.prepare_for_inference()  # fused q/k/v and gate/up: outside the state_dict
-    n = pack_linears(model)
+    n = pack_layers(model, kernel)
     assert n == 2 * 9 + 1  # per layer q, k, v, o, gate, up, down and the fused qkv, gate_up; lm_head
+    assert {m.kernel for m in model.modules() if isinstance(m, Linear)} == {kernel}
     assert set(model.state_dict()) == keys
     layer = model.model.layers[0].mlp.down_proj
     x = torch.randn(3, 48, requires_grad=True)
-    layer(x).sum().backward()  # through F.linear: oneDNN's op has no backward here
+    layer(x).sum().backward()  # through F.linear: the packed kernels have no backward
     assert torch.allclose(x.grad, layer.weight.detach().sum(0).expand(3, -1), atol=1e-5)
 
 
@@ -87,22 +142,64 @@ def test_cpu_linear_is_checked():
     with pytest.raises(ValueError, match="runtime.cpu_linear"):
         RuntimeConfig(cpu_linear="mkl")
     layer = _linear(8, 8, torch.float64)
-    assert not layer.pack() and layer.packed is None  # float64: not served, F.linear stays
+    assert not layer.pack() and layer.packed is None  # float64: no kernel serves it, F.linear stays
+    with pytest.raises(ValueError, match="Linear.pack: kernel"):
+        layer.pack("mkl")
+
+
+@needs_kernels
+def test_our_kernel_names_the_operand_that_does_not_fit():
+    layer = _linear(64, 96, torch.float32)
+    assert layer.pack("specdec")
+    with pytest.raises(RuntimeError, match="specdec::row_linear: packed weight"):
+        torch.ops.specdec_cpu.row_linear(torch.randn(2, 63), layer.packed, None, 96)
+    with pytest.raises(RuntimeError, match="specdec::row_linear: want float32"):
+        torch.ops.specdec_cpu.row_linear(torch.randn(2, 64).double(), layer.packed, None, 96)
+    with pytest.raises(RuntimeError, match="bias has 95 values for 96 outputs"):
+        torch.ops.specdec_cpu.row_linear(torch.randn(2, 64), layer.packed, torch.randn(95), 96)
 
 
 @needs_onednn
-def test_compiled_packed_layer_runs_onednn_in_the_graph_and_matches_eager():
-    # Inductor lowers specdec::onednn_linear to oneDNN's C kernel with the packed weight
-    # passed as it is (a "contiguous" copy of an mkldnn tensor reads garbage).
+def test_where_our_kernel_did_not_build_fp32_layers_take_onednn(monkeypatch):
+    monkeypatch.setattr(linear, "cpu_kernels_available", lambda: False)
+    layer, norm = _linear(64, 96, torch.float32), RMSNorm(64, 1e-6)
+    assert layer.pack("specdec") and layer.kernel == "onednn"
+    assert not norm.pack("specdec") and norm.kernel is None
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        assert torch.equal(norm(x), F.rms_norm(x, (64,), norm.weight, 1e-6))
+        assert torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=0)
+
+
+def test_a_failed_build_warns_naming_the_source_and_returns_false(monkeypatch):
+    import torch.utils.cpp_extension as ext
+
+    def no_compiler(*a: object, **k: object) -> None:
+        raise RuntimeError("c++: command not found")
+
+    monkeypatch.setattr(ext, "load", no_compiler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert kernels.cpu_kernels_available.__wrapped__() is False  # the uncached builder
+    assert any("cpu.cpp" in str(w.message) and "command not found" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("kernel", [pytest.param("specdec", marks=needs_kernels),
+                                    pytest.param("onednn", marks=needs_onednn)])
+def test_compiled_packed_layer_matches_eager(kernel):
+    # Both kernels are one opaque call in the graph: ours its op, oneDNN's lowered by Inductor
+    # to its C kernel with the packed weight passed as it is (a "contiguous" copy of an mkldnn
+    # tensor reads garbage). Ours is the same code compiled or not: the same bits.
     from specdec.core.pipeline_model import compile_function
 
     layer = _linear(64, 96, torch.float32)
-    assert layer.pack()
+    assert layer.pack(kernel)
     fn = compile_function(lambda x: F.silu(layer(x)), torch.device("cpu"))
     with torch.inference_mode():
         for rows in (3, 1, 7):
             x = torch.randn(rows, 64)
-            assert torch.allclose(fn(x), F.silu(layer(x)), atol=1e-5, rtol=0)
+            got, want = fn(x), F.silu(layer(x))
+            assert torch.equal(got, want) if kernel == "specdec" else torch.allclose(got, want, atol=1e-5, rtol=0)
 
 
 @needs_onednn
@@ -117,5 +214,5 @@ def test_without_onednn_bf16_a_bf16_model_keeps_f_linear(monkeypatch):
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=2, head_dim=16)
-    assert pack_linears(LlamaDecoder(cfg).to(torch.bfloat16)) == 0
-    assert pack_linears(LlamaDecoder(cfg)) > 0
+    assert pack_layers(LlamaDecoder(cfg).to(torch.bfloat16)) == 0
+    assert pack_layers(LlamaDecoder(cfg)) > 0

@@ -1,0 +1,164 @@
+// specdec's CPU kernels (ops torch.ops.specdec_cpu.*), float32:
+//
+// row_linear — the models' linear layer (runtime.cpu_linear=specdec), on weights from
+// row_linear_pack;
+// rms_norm — RMSNorm over the last dim, one pass a row (torch's eager rms_norm is a chain of
+// half a dozen ops on CPU: ~25 us a call against ~2 here, 21 calls a forward).
+//
+// row_linear:
+//
+//   y[m, n] = b[n] + x[m, 0] * w[n, 0] + x[m, 1] * w[n, 1] + ... + x[m, K-1] * w[n, K-1]
+//
+// summed in exactly that order, one fused multiply-add per term, for every output: no
+// split of K, no tree of partial sums, no kernel picked by the number of rows. So a row's
+// result does not depend on the rows beside it (a token verified among gamma + 1 gets the
+// bits it gets decoded alone), nor on the thread count: threads split the outputs, never K.
+//
+// Weight layout (pack): [N/P, K, P] — panels of P output columns, each panel's K rows of P
+// contiguous floats, zero-padded past N. The micro-kernel holds an R x P block of outputs in
+// registers and, for each k, multiplies one broadcast x[m, k] into P weights per row.
+// At one row it streams the weights once (the decode step is a read of every weight);
+// at many rows each panel stays in cache while the rows pass over it.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));  // 16 floats: one zmm, or two ymm
+
+inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+
+#ifdef __AVX512F__
+constexpr int C = 4, RB = 6;  // 6 x 4 accumulators + 4 weights + 1 broadcast: 29 of 32 zmm
+#else
+constexpr int C = 2, RB = 3;  // AVX2: 3 x 2 x 2 accumulators + 4 weights: 16 ymm
+#endif
+constexpr int P = 16 * C;  // panel width: output columns per panel
+
+// y[r, 0:P] = b[0:P] + sum_k x[r, k] * wp[k, 0:P] for r < R, k in order.
+template <int R>
+inline void block(const float* x, int64_t K, const float* wp, const float* b, float* y, int64_t ldy) {
+  v16 acc[R][C];
+  for (int c = 0; c < C; ++c) {
+    const v16 bv = b ? load16(b + 16 * c) : v16{};
+    for (int r = 0; r < R; ++r) acc[r][c] = bv;
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    v16 wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = load16(wp + k * P + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const float xs = x[r * K + k];
+      for (int c = 0; c < C; ++c) acc[r][c] += xs * wv[c];  // one FMA (-ffp-contract=fast)
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) store16(y + r * ldy + 16 * c, acc[r][c]);
+}
+
+at::Tensor pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
+              "specdec::row_linear_pack: want a float32 CPU weight [out, in], got ", w.sizes(), " ", w.scalar_type());
+  const int64_t N = w.size(0), K = w.size(1), np = (N + P - 1) / P;
+  at::Tensor padded = at::zeros({np * P, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  return padded.view({np, P, K}).transpose(1, 2).contiguous();
+}
+
+at::Tensor row_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                      int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "specdec::row_linear: want float32 CPU x [rows, in], got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == P && packed.size(1) == x.size(1) && packed.is_contiguous() &&
+                  out_features <= packed.size(0) * P,
+              "specdec::row_linear: packed weight ", packed.sizes(), " does not serve x ", x.sizes());
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), np = packed.size(0), Np = np * P, N = out_features;
+  at::Tensor y = at::empty({M, Np}, xc.options());
+  at::Tensor bpad;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "specdec::row_linear: bias has ", bias->numel(), " values for ", N, " outputs");
+    bpad = at::zeros({Np}, xc.options());
+    bpad.narrow(0, 0, N).copy_(*bias);
+    bp = bpad.const_data_ptr<float>();
+  }
+  const float* xp = xc.const_data_ptr<float>();
+  const float* wp = packed.const_data_ptr<float>();
+  float* yp = y.mutable_data_ptr<float>();
+  // Threads take whole panels, at least 2^17 multiply-adds each: a one-row 256 x 256 layer
+  // runs on one thread (a fork costs more than it saves), the vocabulary head on all.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(1, M * K * P));
+  at::parallel_for(0, np, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t p = lo; p < hi; ++p) {
+      const float* wq = wp + p * K * P;
+      const float* bq = bp ? bp + p * P : nullptr;
+      float* yq = yp + p * P;
+      int64_t m = 0;
+      for (; m + RB <= M; m += RB) block<RB>(xp + m * K, K, wq, bq, yq + m * Np, Np);
+      switch (M - m) {  // the last rows: same sums, fewer of them at once
+        case 1: block<1>(xp + m * K, K, wq, bq, yq + m * Np, Np); break;
+        case 2: block<2>(xp + m * K, K, wq, bq, yq + m * Np, Np); break;
+        case 3: block<3>(xp + m * K, K, wq, bq, yq + m * Np, Np); break;
+        case 4: block<4>(xp + m * K, K, wq, bq, yq + m * Np, Np); break;
+        case 5: block<5>(xp + m * K, K, wq, bq, yq + m * Np, Np); break;
+        default: break;
+      }
+    }
+  });
+  return Np == N ? y : y.narrow(1, 0, N).contiguous();
+}
+
+// y[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)), each row alone: 16 running sums of squares
+// over the row in order, added up in a fixed tree.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.device().is_cpu() &&
+                  w.dim() == 1 && x.dim() >= 1 && x.size(-1) == w.size(0),
+              "specdec::rms_norm: want float32 CPU x [..., d] and weight [d], got ", x.sizes(), " and ", w.sizes());
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  const int64_t d = xc.size(-1), rows = d ? xc.numel() / d : 0;
+  at::Tensor y = at::empty(xc.sizes(), xc.options());
+  const float* xp = xc.const_data_ptr<float>();
+  const float* wp = wc.const_data_ptr<float>();
+  float* yp = y.mutable_data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, d));
+  at::parallel_for(0, rows, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const float* xr = xp + r * d;
+      float* yr = yp + r * d;
+      v16 acc = {};
+      int64_t i = 0;
+      for (; i + 16 <= d; i += 16) { const v16 v = load16(xr + i); acc += v * v; }
+      float lanes[16];
+      store16(lanes, acc);
+      for (; i < d; ++i) lanes[i % 16] += xr[i] * xr[i];
+      for (int s = 8; s >= 1; s /= 2)
+        for (int j = 0; j < s; ++j) lanes[j] += lanes[j + s];
+      const float inv = 1.0f / std::sqrt(lanes[0] / static_cast<float>(d) + static_cast<float>(eps));
+      for (int64_t j = 0; j < d; ++j) yr[j] = wp[j] * (xr[j] * inv);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specdec_cpu, m) {
+  m.def("row_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("row_linear_pack(Tensor weight) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specdec_cpu, CPU, m) {
+  m.impl("row_linear", row_linear);
+  m.impl("row_linear_pack", pack);
+  m.impl("rms_norm", rms_norm);
+}
