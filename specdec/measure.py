@@ -364,23 +364,32 @@ def load_config(cls: type[C], argv: Sequence[str]) -> C:
 
 
 def machine() -> dict[str, Any]:
-    """What a figure was measured on: CPU model, cores, torch threads, torch build, BLAS (torch's:
-    attention's matmuls, and projections under ``runtime.cpu_linear=aten``), whether oneDNN is
-    there (the projections' default on CPU), GPU."""
-    cpu = platform.processor() or platform.machine()
+    """What a figure was measured on: CPU model (and its family / model numbers: a VM's "AMD
+    EPYC" names Zen 1 and Zen 4 alike), cores, torch threads, torch build, BLAS (torch's:
+    attention's matmuls, and projections under ``runtime.cpu_linear=aten``), whether oneDNN
+    and specdec's own CPU kernels are there (the projections' kernels on CPU), GPU."""
+    from specdec.core.kernels import cpu_kernels_available
+
+    cpu, cpu_id = platform.processor() or platform.machine(), ""
     try:
-        text = Path("/proc/cpuinfo").read_text()
-        cpu = next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name"))
-    except (OSError, StopIteration):
+        info = {}
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())  # the first processor's
+        cpu = info.get("model name", cpu)
+        cpu_id = f"family {info['cpu family']} model {info['model']}" if "cpu family" in info else ""
+    except OSError:
         pass
     blas = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
     return {
         "cpu": cpu,
+        "cpu_id": cpu_id,
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "blas": blas.group(1) if blas else ("mkl" if torch.backends.mkl.is_available() else "unknown"),
         "onednn": torch.backends.mkldnn.is_available(),
+        "specdec_kernels": cpu_kernels_available(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }

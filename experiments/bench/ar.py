@@ -22,8 +22,9 @@ Figures (last line, JSON):
   ratio can fall below 1.
 - ``outputs_equal``, ``model``, ``compile`` and the ``machine``.
 
-``cpu_linear=aten`` runs our projections through ``F.linear`` (MKL), as
-transformers does, instead of oneDNN (``specdec/core/linear.py``).
+``cpu_linear=`` picks the kernel of our projections (``specdec/core/linear.py``):
+``specdec`` (the default, our own packed kernel), ``onednn``, or ``aten``
+(``F.linear``: MKL's sgemm, as transformers runs).
 
 ``compile=true`` runs ours with ``runtime.compile`` (the bare forward is then
 the compiled graph's; each shape compiles in an untimed warm-up first).
@@ -70,11 +71,11 @@ class ArBenchConfig:
     overhead_steps: int = 100
     threads: int = 2
     compile: bool = False  # runtime.compile for ours
-    cpu_linear: str = "onednn"  # runtime.cpu_linear for ours: "onednn" or "aten" (F.linear, as transformers)
+    cpu_linear: str = RuntimeConfig.cpu_linear  # runtime.cpu_linear for ours: "specdec", "onednn" or "aten"
 
 
 def overhead_ratio(path: Path, steps: int, prompt_len: int, compile_: bool = False,
-                   cpu_linear: str = "onednn") -> tuple[float, float, float, int]:
+                   cpu_linear: str = RuntimeConfig.cpu_linear) -> tuple[float, float, float, int]:
     """(median engine step, median bare forward, ratio) at batch 1, seconds, and the target's weight bytes.
 
     After each decode step (the request at context length L), a bare forward
@@ -125,7 +126,7 @@ def hf_generate(model: Any, ids: torch.Tensor, new_tokens: int) -> list[list[int
 
 def ours_and_hf(
     path: Path, hf: Any, prompts: list[list[int]], new_tokens: int, repeats: int, compile_: bool = False,
-    cpu_linear: str = "onednn",
+    cpu_linear: str = RuntimeConfig.cpu_linear,
 ) -> Timing[list[list[int]]]:
     """Our plain decoding and transformers ``generate`` over ``prompts`` in one batch, interleaved (baseline: hf)."""
     b = len(prompts)
