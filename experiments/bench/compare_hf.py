@@ -19,8 +19,13 @@ about a minute: 4 prompts x 64 tokens, three passes of ours and one of HF's, no
 eager batch-1 rows, and an eager sweep (``sweep_compile``) of three passes per
 point (two at batch 64) without HF's batched reference.
 
-Speedups over our plain decoding are medians of per-pass ratios, and
-efficiency is speedup / analytic limit, the limit from bare forward times of
+Speedups over our plain decoding are medians of per-pass ratios. The
+sweep's ``aa_vs_plain`` times our plain decoding against itself (an A/A
+control, ``sweep_aa``): its distance from 1 is the machine's noise at that
+point, which a ``*_vs_plain`` figure must clear to say anything (on a 2-core
+AMD EPYC VM the per-pass ratio of two identical runs spread ±7-10%, and
+medians of 7 consecutive such ratios ranged 0.955-1.04). Efficiency is
+speedup / analytic limit, the limit from bare forward times of
 the draft-model run's own models timed interleaved (:mod:`specdec.measure`).
 The limit is a per-step model of decoding, with no prefill in it, so
 ``efficiency_batch1`` divides the *decode-phase* speedup by it: tokens/s after
@@ -111,6 +116,10 @@ class CompareConfig:
     # noisy points, not on batch 64.
     sweep_pass_tokens: int = 0
     sweep_hf: bool = True  # time transformers' batched plain generate beside (a reference column only)
+    # An A/A control: our plain decoding again, a contestant of its own (a second runner). Its
+    # ratio to plain is 1 but for the machine's noise, so it shows how far from 1 a
+    # *_vs_plain figure must be to mean anything (aa_vs_plain_min / _max in the JSON).
+    sweep_aa: bool = True
     out: str = "outputs/bench"
     threads: int = 2
     compile: bool = True  # ours with runtime.compile (its eager runs are measured alongside at batch 1)
@@ -305,6 +314,8 @@ def sweep(
                        compile=bool(cfg.sweep_compile), device=cfg.device, threads=cfg.threads)
     # Adaptive γ: speculation turns itself down (to plain decoding) where it cannot pay.
     llms = {k: LLM(target, method=mc, runtime=rt) for k, mc in methods(cfg, draft, adaptive=True).items()}
+    if cfg.sweep_aa:  # a second plain runner of its own (its own weights and cache, as each contestant has)
+        llms["plain again"] = LLM(target, runtime=rt)
     rows, equal = [], True
     for b in cfg.batch_sizes:
         ps = pool[: max(b, cfg.sweep_min_requests)]
@@ -319,7 +330,7 @@ def sweep(
         rows.append({"batch": b, "plain_tok_s": tps["plain"], "draft_tok_s": tps["draft_model"],
                      "ngram_tok_s": tps["ngram"], "hf_plain_tok_s": tps.get("hf plain"),
                      "draft_vs_plain": timing.speedup("draft_model"), "ngram_vs_plain": timing.speedup("ngram"),
-                     "equal": eq})
+                     **({"aa_vs_plain": timing.speedup("plain again")} if cfg.sweep_aa else {}), "equal": eq})
     mode = "compiled" if cfg.sweep_compile else "eager"
     print_table(rows, f"batch sweep, greedy, {n} new tokens, adaptive γ <= {cfg.gamma}, ours {mode}; "
                       f"*_vs_plain: median over up to {cfg.sweep_repeats} passes of each pass's ratio")
@@ -379,6 +390,8 @@ def main(argv: list[str]) -> None:
         "target_forward_ms": {k: round(head["bare_ms"][f], 3) for k, f in
                               (("bare", "t_target_g1"), ("after_draft", "t_target_g1_after_draft"))},
         "min_spec_vs_plain": round(min_ratio, 3),
+        **({"aa_vs_plain_min": round(min(r["aa_vs_plain"] for r in rows), 3),
+            "aa_vs_plain_max": round(max(r["aa_vs_plain"] for r in rows), 3)} if cfg.sweep_aa else {}),
         "accounted_min": round(head["accounted_min"], 4),
         "outputs_equal": all(r["equal"] for r in results) and sweep_equal,
         "pair": head["pair"],
