@@ -203,18 +203,21 @@ class ForwardTimes:
     t_target_1: float  # a decode step of the target
     t_target_g1: float  # a verification step: γ+1 tokens
     t_draft_1: float = 0.0  # a decode step of the draft model (0: none)
-    # The same verification step timed right after the drafter drafted, as a speculative
-    # step runs it (0: not measured). Not in the limit: the drafter's reads evict some of
-    # the target's weights from the CPU's caches, a cost of the machine, not of the
-    # framework, which the step-time breakdown shows beside the bare figure.
+    # The same verification step timed right after the drafter drafted, and T_draft(1)
+    # timed with the target's verification forward right before the drafting, as a
+    # speculative step runs them (0: not measured). Not in the limit: each model's reads
+    # evict some of the other's weights from the CPU's caches, a cost of the machine, not
+    # of the framework, which the step-time breakdown shows beside the bare figures.
     t_target_g1_after_draft: float = 0.0
+    t_draft_1_after_target: float = 0.0
 
-    def limit(self, tau: float, gamma: int, *, after_draft: bool = False) -> float:
-        """The analytic limit at this τ and γ (``after_draft``: with the verification
-        forward as timed after the drafter, where it was measured)."""
-        tg = self.t_target_g1_after_draft if after_draft and self.t_target_g1_after_draft else self.t_target_g1
-        return analytic_limit(tau=tau, gamma=gamma, t_target_1=self.t_target_1, t_target_g1=tg,
-                              t_draft_1=self.t_draft_1)
+    def limit(self, tau: float, gamma: int, *, after_other: bool = False) -> float:
+        """The analytic limit at this τ and γ (``after_other``: with each model's forward as
+        timed right after the other's, where that was measured)."""
+        tg, td = self.t_target_g1, self.t_draft_1
+        if after_other:
+            tg, td = self.t_target_g1_after_draft or tg, self.t_draft_1_after_target or td
+        return analytic_limit(tau=tau, gamma=gamma, t_target_1=self.t_target_1, t_target_g1=tg, t_draft_1=td)
 
 
 def step_breakdown(stats: RunStats, wall_s: float, bare: ForwardTimes | None, *, gamma: int,
@@ -246,6 +249,8 @@ def step_breakdown(stats: RunStats, wall_s: float, bare: ForwardTimes | None, *,
            "outside_ms": wall - total, "accounted": total / wall if wall > 0 else 0.0}
     if bare is not None and bare.t_target_g1_after_draft:
         out["target_forward_after_draft_ms"] = round(bare.t_target_g1_after_draft * 1e3, 4)
+    if bare is not None and bare.t_draft_1_after_target and k > 0:  # the whole drafting of a step
+        out["drafting_after_target_ms"] = round(k * bare.t_draft_1_after_target * 1e3, 4)
     return out
 
 
@@ -262,6 +267,8 @@ def breakdown_row(name: str, b: Mapping[str, Any]) -> dict[str, Any]:
             "catch_up": cell("draft_catch_up"), "draft_steps": cell("draft_steps"),
             "target_fwd": cell("target_forward"),
             "after_draft": f"{b['target_forward_after_draft_ms']:.2f}" if "target_forward_after_draft_ms" in b else "",
+            "drafting_after_target": (f"{b['drafting_after_target_ms']:.2f}" if "drafting_after_target_ms" in b
+                                      else ""),
             "verify": cell("verify"),
             "sync+commit": cell("sync", "commit"), "prefill": cell("prefill"),
             "outside": f"{b['outside_ms']:.2f}", "accounted": f"{b['accounted']:.3f}"}
@@ -302,16 +309,18 @@ def bare_forward_times(
 
 def limit_forward_times(
     methods: Mapping[str, LLM], ctx_len: int, *, rounds: int = 5, repeats: int = 10,
-    after_draft: bool | Collection[str] = False,
+    after_other: bool | Collection[str] = False,
 ) -> dict[str, ForwardTimes]:
     """Per speculative method (its ``LLM``): T_target(1) and T_target(γ+1) of its
     target, T_draft(1) of its drafter's one-token forward (a draft model's, an
     EAGLE head's step; 0 for a model-free method), all interleaved.
 
     γ is the method's ``num_speculative_tokens`` (adaptive γ: the most it drafts).
-    ``after_draft``: also T_target(γ+1) with the drafter's bare drafting run before
-    each timed forward (``ForwardTimes.t_target_g1_after_draft``), for every method
-    with a drafter (True) or for those named.
+    ``after_other``: also T_target(γ+1) with the drafter's bare drafting run before
+    each timed forward (``ForwardTimes.t_target_g1_after_draft``), and T_draft(1)
+    with one bare verification forward of the target before each timed drafting
+    (``t_draft_1_after_target``), for every method with a drafter (True) or for
+    those named.
     """
     runs: dict[tuple[str, str], tuple[DecoderPipelineModel, int] | Callable[[int, int], float]] = {}
     for name, llm in methods.items():
@@ -322,13 +331,16 @@ def limit_forward_times(
         proposer = pipe.proposer
         if proposer.draft_model is not None or type(proposer).draft_forward_time is not Proposer.draft_forward_time:
             runs[name, "td"] = proposer.draft_forward_time
-            if after_draft is True or (after_draft and name in after_draft):
+            if after_other is True or (after_other and name in after_other):
                 runs[name, "tg_after"] = (
                     lambda ctx, reps, pm=pipe.target, g1=g1, draft=proposer.draft_forward_time:
                     forward_time(pm, g1, ctx, repeats=reps, between=lambda: draft(ctx, 1)))
+                runs[name, "td_after"] = (
+                    lambda ctx, reps, pm=pipe.target, g1=g1, draft=proposer.draft_forward_time:
+                    draft(ctx, reps, between=lambda: forward_time(pm, g1, ctx, repeats=1, warmup=0)))
     t = bare_forward_times(runs, ctx_len, rounds=rounds, repeats=repeats)
-    return {n: ForwardTimes(t[n, "t1"], t[n, "tg"], t.get((n, "td"), 0.0), t.get((n, "tg_after"), 0.0))
-            for n in methods}
+    return {n: ForwardTimes(t[n, "t1"], t[n, "tg"], t.get((n, "td"), 0.0), t.get((n, "tg_after"), 0.0),
+                            t.get((n, "td_after"), 0.0)) for n in methods}
 
 
 # --------------------------------------------------------------------------------------

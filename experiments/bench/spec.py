@@ -38,7 +38,9 @@ and other forwards, the target's forward, verification, sync and commit), in
 ms per step beside what the analytic limit charges for each (and, for the
 γ = 4 chains, ``after_draft``: the bare verification forward timed right after
 the drafter drafted, what the loop's forward costs once the drafter's reads
-have evicted some of the target's weights from the CPU's caches); the JSON gives
+have evicted some of the target's weights from the CPU's caches, and
+``drafting_after_target``: the step's bare drafting timed right after a bare
+verification forward, the same the other way round); the JSON gives
 them for γ = 4 (``step_breakdown``), ``accounted_min`` (the smallest share of a
 pass's wall time the phases account for) and ``plain_step_vs_bare`` (plain
 decoding's in-loop step over its bare forward T_target(1)).
@@ -200,7 +202,7 @@ def main(argv: list[str]) -> None:
     ctx_len = max(len(p) for p in prompts) + cfg.new_tokens // 2
     # The γ = 4 chains (the JSON's breakdown) also time the verification right after their drafter drafted.
     at4 = [k for k, (n, g) in grid.items() if g == 4 and not n.endswith(TREE_SUFFIX)]
-    bare = limit_forward_times({k: llms[k] for k in grid}, ctx_len, rounds=3 if cfg.quick else 5, after_draft=at4)
+    bare = limit_forward_times({k: llms[k] for k in grid}, ctx_len, rounds=3 if cfg.quick else 5, after_other=at4)
 
     rows, breakdown = [], {}
     for key, (name, g) in grid.items():
@@ -256,7 +258,8 @@ def main(argv: list[str]) -> None:
         "tree_vs_chain": tree_vs_chain(rows),
         "plain_step_vs_bare": round(plain_step_ms / t1_ms, 3),
         "step_breakdown": {k: {**{f: round(b[f], 3) for f in ("step_ms", "bare_step_ms", "outside_ms", "accounted",
-                                                             "target_forward_after_draft_ms") if f in b},
+                                                             "target_forward_after_draft_ms",
+                                                             "drafting_after_target_ms") if f in b},
                                "phases": b["phases"]} for k, b in breakdown.items() if grid[k][1] == 4},
         "accounted_min": round(min(b["accounted"] for b in breakdown.values()), 4),
         "outputs_equal": all(r["equal"] for r in rows),

@@ -45,16 +45,17 @@ def time_calls(fn: Callable[[], object], device: torch.device, *, repeats: int, 
 
 @torch.inference_mode()
 def forward_time(pm: DecoderPipelineModel, n: int, ctx_len: int, *, repeats: int = 30, stat: str = "median",
-                 requests: int = 1, between: Callable[[], object] | None = None) -> float:
+                 requests: int = 1, between: Callable[[], object] | None = None, warmup: int = 3) -> float:
     """Seconds of one bare forward of ``n`` tokens for each of ``requests`` requests at context ``ctx_len``.
 
     ``stat="median"`` for reporting; ``"min"`` for a cost model that must
     shrug off a busy machine (the least time is the intrinsic cost).
-    ``between``: untimed, before each timed forward (:func:`time_calls`).
+    ``between``: untimed, before each timed forward; ``warmup``: untimed calls first
+    (:func:`time_calls`; ``repeats=1, warmup=0`` runs the forward once).
     """
     with bare_batch(pm, n, max(ctx_len, n), requests=requests) as (_, inputs):
         return time_calls(lambda: pm.module(inputs), inputs.kv_cache.k.device, repeats=repeats, stat=stat,
-                          between=between)
+                          between=between, warmup=warmup)
 
 
 @contextmanager

@@ -311,9 +311,11 @@ def test_step_breakdown_sets_each_phase_beside_its_bare_cost() -> None:
     assert step_breakdown(no_catch, 0.08, bare, gamma=4)["phases"]["draft_steps"] == [6.0, 4.0]
 
 
-def test_after_draft_forward_time_runs_the_drafter_before_each_timed_verify(target, generate) -> None:
+def test_after_other_forward_times_run_the_other_model_before_each_timed_call(target, generate) -> None:
     # t_target_g1_after_draft: the verification forward timed with the drafter's bare
-    # drafting just before every timed call (as a step runs them), and only then.
+    # drafting just before every timed call (as a step runs them); t_draft_1_after_target:
+    # the drafting timed with a bare verification forward just before every timed call;
+    # both only when asked for.
     from specdec.measure import ForwardTimes, limit_forward_times, step_breakdown
     from specdec.spec.metrics import RunStats
 
@@ -321,21 +323,37 @@ def test_after_draft_forward_time_runs_the_drafter_before_each_timed_verify(targ
                       [[3, 14, 15, 9]], SamplingParams(max_new_tokens=4))
     proposer = llm.pipeline.proposer
     own = proposer.draft_forward_time
-    calls: list[int] = []
-    proposer.draft_forward_time = lambda ctx, reps=10: calls.append(reps) or own(ctx, reps)
+    calls: list[tuple[int, int]] = []  # (repeats, target forwards run in between)
+
+    def counted(ctx: int, reps: int = 10, *, between=None) -> float:
+        ran = [0]
+
+        def before() -> None:
+            ran[0] += 1
+            between()
+
+        t = own(ctx, reps, between=before if between is not None else None)
+        calls.append((reps, ran[0]))
+        return t
+
+    proposer.draft_forward_time = counted
     plain = limit_forward_times({"m": llm}, 16, rounds=2, repeats=3)["m"]
-    assert plain.t_target_g1_after_draft == 0.0 and calls == [3, 3]  # T_draft(1) once per round
+    assert plain.t_target_g1_after_draft == 0.0 and plain.t_draft_1_after_target == 0.0
+    assert calls == [(3, 0), (3, 0)]  # T_draft(1) once per round
     calls.clear()
-    t = limit_forward_times({"m": llm}, 16, rounds=2, repeats=3, after_draft=True)["m"]
-    # Per round: T_draft(1) (3 repeats), then one drafting (1 repeat) before each of 3 timed forwards.
-    assert sorted(calls) == [1] * 6 + [3, 3]
-    assert t.t_target_g1_after_draft > 0
-    # The limit charges the bare forward unless asked for the after-draft one.
-    ft = ForwardTimes(t_target_1=0.010, t_target_g1=0.020, t_draft_1=0.001, t_target_g1_after_draft=0.025)
+    t = limit_forward_times({"m": llm}, 16, rounds=2, repeats=3, after_other=True)["m"]
+    # Per round: T_draft(1) (3 repeats); one drafting (1 repeat) before each of 3 timed
+    # verification forwards; T_draft(1) again with a verification forward before each of its 3.
+    assert sorted(calls) == [(1, 0)] * 6 + [(3, 0)] * 2 + [(3, 3)] * 2
+    assert t.t_target_g1_after_draft > 0 and t.t_draft_1_after_target > 0
+    # The limit charges the bare forwards unless asked for the after-other ones.
+    ft = ForwardTimes(t_target_1=0.010, t_target_g1=0.020, t_draft_1=0.001, t_target_g1_after_draft=0.025,
+                      t_draft_1_after_target=0.0015)
     assert ft.limit(3.0, 4) == pytest.approx(3.0 * 0.010 / 0.024)
-    assert ft.limit(3.0, 4, after_draft=True) == pytest.approx(3.0 * 0.010 / 0.029)
+    assert ft.limit(3.0, 4, after_other=True) == pytest.approx(3.0 * 0.010 / 0.031)
     b = step_breakdown(RunStats(spec_steps=1), 0.03, ft, gamma=4)
     assert b["target_forward_after_draft_ms"] == 25.0 and b["phases"]["target_forward"][1] == 20.0
+    assert b["drafting_after_target_ms"] == pytest.approx(6.0)  # γ drafts at 1.5 ms
 
 
 def test_bench_checkpoints_in_scratch_dirs_go_when_the_process_exits() -> None:

@@ -269,13 +269,16 @@ class Proposer(ABC):
         emits nothing this step. ``gamma``: drafts the step leaves per request."""
         return None
 
-    def draft_forward_time(self, ctx_len: int, repeats: int = 10) -> float:
+    def draft_forward_time(self, ctx_len: int, repeats: int = 10, *,
+                           between: Callable[[], object] | None = None) -> float:
         """Seconds of one bare one-token drafting forward at context ``ctx_len``
-        (T_draft(1) of the analytic limit; 0: model-free)."""
+        (T_draft(1) of the analytic limit; 0: model-free). ``between``: untimed, before
+        each timed call of the drafting that follows the target's forward in a step (say
+        that forward: its reads evict some of the drafter's weights from a CPU's caches)."""
         from specdec.spec.forward_time import forward_time
 
         dm = self.draft_model
-        return forward_time(dm, 1, ctx_len, repeats=repeats) if dm is not None else 0.0
+        return forward_time(dm, 1, ctx_len, repeats=repeats, between=between) if dm is not None else 0.0
 
     def reserve(self, ctx: TextContext, gamma: int) -> None:
         """Makes room (KV blocks …) for drafting ``gamma`` tokens; may raise OutOfBlocks."""

@@ -38,7 +38,7 @@ simplest (the accepted path is short next to the rows a tree writes).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -372,15 +372,16 @@ class DraftModelProposer(Proposer):
     def draft_cost(self, batch_size: int, context_len: int) -> float:
         return forward_time(self.pipeline, 1, context_len, repeats=7, stat="min", requests=batch_size)
 
-    def draft_forward_time(self, ctx_len: int, repeats: int = 10) -> float:
+    def draft_forward_time(self, ctx_len: int, repeats: int = 10, *,
+                           between: Callable[[], object] | None = None) -> float:
         """T_draft(1) of the analytic limit: one bare one-token forward, or, where the
         method's γ drafts in one compiled graph, what a draft costs that way: that
         graph (a one-token catch-up + γ - 1 steps) / γ, as the limit charges
         γ · T_draft(1) (Medusa's heads are charged the same way)."""
         g = self.config.num_speculative_tokens
         if self.drafter._fused is None or g < 2:
-            return forward_time(self.pipeline, 1, ctx_len, repeats=repeats)
-        return self._fused_time(ctx_len, g, repeats) / g
+            return forward_time(self.pipeline, 1, ctx_len, repeats=repeats, between=between)
+        return self._fused_time(ctx_len, g, repeats, between=between) / g
 
     def fused_draft_cost(self, batch_size: int, context_len: int) -> float | None:
         g = self.config.num_speculative_tokens
@@ -390,11 +391,12 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def _fused_time(self, ctx_len: int, gamma: int, repeats: int, *, requests: int = 1,
-                    stat: str = "median") -> float:
+                    stat: str = "median", between: Callable[[], object] | None = None) -> float:
         """Seconds of the compiled drafting of ``gamma`` tokens (a one-token catch-up, then
         γ - 1 steps) for ``requests`` requests at context ``ctx_len``."""
         with self._fused_args(ctx_len, gamma, requests, unseen=1) as args:
-            return time_calls(lambda: self.drafter._fused(*args), self.pipeline.device, repeats=repeats, stat=stat)
+            return time_calls(lambda: self.drafter._fused(*args), self.pipeline.device, repeats=repeats, stat=stat,
+                              between=between)
 
     @contextmanager
     def _fused_args(self, ctx_len: int, gamma: int, requests: int, unseen: int) -> Iterator[tuple[Any, ...]]:

@@ -42,6 +42,7 @@ many drafts were accepted, so the device picks them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, List, Optional
 
@@ -428,11 +429,14 @@ class EagleProposer(Proposer):
         )
 
     # -- cost ------------------------------------------------------------------------------
-    def draft_forward_time(self, ctx_len: int, repeats: int = 10) -> float:
+    def draft_forward_time(self, ctx_len: int, repeats: int = 10, *,
+                           between: Callable[[], object] | None = None) -> float:
         """T_draft(1) of the analytic limit: a bare one-token step of the head, or, where the
         method's γ drafts its steps in one compiled graph, what a draft costs that way:
-        (one step + the fused γ - 1 steps) / γ (the limit charges γ · T_draft(1))."""
-        one = self._step_time(ctx_len, repeats)
+        (one step + the fused γ - 1 steps) / γ (the limit charges γ · T_draft(1)).
+        ``between`` runs before each timed first step only: in a step the fused steps
+        follow that one, not the target's forward."""
+        one = self._step_time(ctx_len, repeats, between=between)
         g = self.config.num_speculative_tokens
         if self.drafter._fused is None or g < 2:
             return one
@@ -451,7 +455,7 @@ class EagleProposer(Proposer):
 
     @torch.inference_mode()
     def _step_time(self, ctx_len: int, repeats: int, *, requests: int = 1, stat: str = "median",
-                   fused: int = 0) -> float:
+                   fused: int = 0, between: Callable[[], object] | None = None) -> float:
         """Seconds of a bare one-token step of the head for ``requests`` requests at context
         ``ctx_len``; ``fused=γ``: of the fused γ - 1 steps (EagleDrafter._chain_steps) instead."""
         with self.cache.scratch(requests, ctx_len + max(fused - 1, 0)) as gather:  # [B, S]
@@ -463,10 +467,12 @@ class EagleProposer(Proposer):
             if fused:
                 logits = torch.zeros(b, self.vocab_size, device=self.device, dtype=dtype)
                 args = (logits, feat, pos, gather, self.cache.tensors, *rows, fused, None)  # greedy
-                return time_calls(lambda: self.drafter._fused(*args), self.device, repeats=repeats, stat=stat)
+                return time_calls(lambda: self.drafter._fused(*args), self.device, repeats=repeats, stat=stat,
+                                  between=between)
             inp = _one_token_step(torch.zeros(b, dtype=torch.long, device=self.device), pos, gather, ctx_len,
                                   self.cache.tensors, *rows)
-            return time_calls(lambda: self.head(inp, feat), self.device, repeats=repeats, stat=stat)
+            return time_calls(lambda: self.head(inp, feat), self.device, repeats=repeats, stat=stat,
+                              between=between)
 
 
 @register_proposer("eagle3", Eagle3Config)
