@@ -377,10 +377,15 @@ class DraftModelProposer(Proposer):
         """T_draft(1) of the analytic limit: one bare one-token forward, or, where the
         method's γ drafts in one compiled graph, what a draft costs that way: that
         graph (a one-token catch-up + γ - 1 steps) / γ, as the limit charges
-        γ · T_draft(1) (Medusa's heads are charged the same way)."""
+        γ · T_draft(1) (Medusa's heads are charged the same way). ``between`` runs before
+        each timed first forward only: in a step the other γ - 1 follow the drafter's own."""
         g = self.config.num_speculative_tokens
         if self.drafter._fused is None or g < 2:
-            return forward_time(self.pipeline, 1, ctx_len, repeats=repeats, between=between)
+            one = forward_time(self.pipeline, 1, ctx_len, repeats=repeats)
+            if between is None or g < 2:
+                return one
+            first = forward_time(self.pipeline, 1, ctx_len, repeats=repeats, between=between)
+            return (first + (g - 1) * one) / g
         return self._fused_time(ctx_len, g, repeats, between=between) / g
 
     def fused_draft_cost(self, batch_size: int, context_len: int) -> float | None:

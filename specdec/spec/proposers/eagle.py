@@ -434,13 +434,16 @@ class EagleProposer(Proposer):
         """T_draft(1) of the analytic limit: a bare one-token step of the head, or, where the
         method's γ drafts its steps in one compiled graph, what a draft costs that way:
         (one step + the fused γ - 1 steps) / γ (the limit charges γ · T_draft(1)).
-        ``between`` runs before each timed first step only: in a step the fused steps
+        ``between`` runs before each timed first step only: in a step the other γ - 1
         follow that one, not the target's forward."""
-        one = self._step_time(ctx_len, repeats, between=between)
+        first = self._step_time(ctx_len, repeats, between=between)
         g = self.config.num_speculative_tokens
-        if self.drafter._fused is None or g < 2:
-            return one
-        return (one + self._step_time(ctx_len, repeats, fused=g)) / g
+        if g < 2:
+            return first
+        if self.drafter._fused is None:
+            rest = self._step_time(ctx_len, repeats) if between is not None else first
+            return (first + (g - 1) * rest) / g
+        return (first + self._step_time(ctx_len, repeats, fused=g)) / g
 
     def draft_cost(self, batch_size: int, context_len: int) -> float:
         return self._step_time(max(context_len, 1), repeats=7, requests=max(batch_size, 1), stat="min")
