@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 
 from specdec.conf_schema import ZOO_DIR
+from specdec.core.kernels import cpu_kernels_available
 from specdec.core.kv_cache import OutOfBlocks
 from specdec.core.pipeline_model import DecoderPipelineModel
 from specdec.spec.forward_time import forward_time
@@ -380,8 +381,6 @@ def machine() -> dict[str, Any]:
     EPYC" names Zen 1 and Zen 4 alike), cores, torch threads, torch build, BLAS (torch's:
     attention's matmuls, and projections under ``runtime.cpu_linear=aten``), whether oneDNN
     and specdec's own CPU kernels are there (the projections' kernels on CPU), GPU."""
-    from specdec.core.kernels import cpu_kernels_available
-
     cpu, cpu_id = platform.processor() or platform.machine(), ""
     try:
         info = {}
