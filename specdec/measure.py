@@ -317,8 +317,8 @@ def limit_forward_times(
     EAGLE head's step; 0 for a model-free method), all interleaved.
 
     γ is the method's ``num_speculative_tokens`` (adaptive γ: the most it drafts).
-    ``after_other``: also T_target(γ+1) with the drafter's bare drafting run before
-    each timed forward (``ForwardTimes.t_target_g1_after_draft``), and T_draft(1)
+    ``after_other``: also T_target(γ+1) with the drafter's bare drafting run once
+    (its timer's one call, no warm-up) before each timed forward (``ForwardTimes.t_target_g1_after_draft``), and T_draft(1)
     with one bare verification forward of the target before each timed drafting
     (``t_draft_1_after_target``), for every method with a drafter (True) or for
     those named.
@@ -335,7 +335,7 @@ def limit_forward_times(
             if after_other is True or (after_other and name in after_other):
                 runs[name, "tg_after"] = (
                     lambda ctx, reps, pm=pipe.target, g1=g1, draft=proposer.draft_forward_time:
-                    forward_time(pm, g1, ctx, repeats=reps, between=lambda: draft(ctx, 1)))
+                    forward_time(pm, g1, ctx, repeats=reps, between=lambda: draft(ctx, 1, warmup=0)))
                 runs[name, "td_after"] = (
                     lambda ctx, reps, pm=pipe.target, g1=g1, draft=proposer.draft_forward_time:
                     draft(ctx, reps, between=lambda: forward_time(pm, g1, ctx, repeats=1, warmup=0)))

@@ -323,28 +323,29 @@ def test_after_other_forward_times_run_the_other_model_before_each_timed_call(ta
                       [[3, 14, 15, 9]], SamplingParams(max_new_tokens=4))
     proposer = llm.pipeline.proposer
     own = proposer.draft_forward_time
-    calls: list[tuple[int, int]] = []  # (repeats, target forwards run in between)
+    calls: list[tuple[int, int, int]] = []  # (repeats, warm-up calls, target forwards run in between)
 
-    def counted(ctx: int, reps: int = 10, *, between=None) -> float:
+    def counted(ctx: int, reps: int = 10, *, between=None, warmup: int = 3) -> float:
         ran = [0]
 
         def before() -> None:
             ran[0] += 1
             between()
 
-        t = own(ctx, reps, between=before if between is not None else None)
-        calls.append((reps, ran[0]))
+        t = own(ctx, reps, between=before if between is not None else None, warmup=warmup)
+        calls.append((reps, warmup, ran[0]))
         return t
 
     proposer.draft_forward_time = counted
     plain = limit_forward_times({"m": llm}, 16, rounds=2, repeats=3)["m"]
     assert plain.t_target_g1_after_draft == 0.0 and plain.t_draft_1_after_target == 0.0
-    assert calls == [(3, 0), (3, 0)]  # T_draft(1) once per round
+    assert calls == [(3, 3, 0), (3, 3, 0)]  # T_draft(1) once per round
     calls.clear()
     t = limit_forward_times({"m": llm}, 16, rounds=2, repeats=3, after_other=True)["m"]
-    # Per round: T_draft(1) (3 repeats); one drafting (1 repeat) before each of 3 timed
-    # verification forwards; T_draft(1) again with a verification forward before each of its 3.
-    assert sorted(calls) == [(1, 0)] * 6 + [(3, 0)] * 2 + [(3, 3)] * 2
+    # Per round: T_draft(1) (3 repeats); one drafting (1 call, no warm-up: as a step drafts
+    # once) before each of 3 timed verification forwards; T_draft(1) again with a
+    # verification forward before each of its 3.
+    assert sorted(calls) == [(1, 0, 0)] * 6 + [(3, 3, 0)] * 2 + [(3, 3, 3)] * 2
     assert t.t_target_g1_after_draft > 0 and t.t_draft_1_after_target > 0
     # The limit charges the bare forwards unless asked for the after-other ones.
     ft = ForwardTimes(t_target_1=0.010, t_target_g1=0.020, t_draft_1=0.001, t_target_g1_after_draft=0.025,

@@ -270,15 +270,17 @@ class Proposer(ABC):
         return None
 
     def draft_forward_time(self, ctx_len: int, repeats: int = 10, *,
-                           between: Callable[[], object] | None = None) -> float:
+                           between: Callable[[], object] | None = None, warmup: int = 3) -> float:
         """Seconds of one bare one-token drafting forward at context ``ctx_len``
         (T_draft(1) of the analytic limit; 0: model-free). ``between``: untimed, before
         each timed call of the drafting that follows the target's forward in a step (say
-        that forward: its reads evict some of the drafter's weights from a CPU's caches)."""
+        that forward: its reads evict some of the drafter's weights from a CPU's caches);
+        ``warmup``: untimed calls first (``repeats=1, warmup=0``: one drafting, as a step's)."""
         from specdec.spec.forward_time import forward_time
 
         dm = self.draft_model
-        return forward_time(dm, 1, ctx_len, repeats=repeats, between=between) if dm is not None else 0.0
+        return (forward_time(dm, 1, ctx_len, repeats=repeats, between=between, warmup=warmup)
+                if dm is not None else 0.0)
 
     def reserve(self, ctx: TextContext, gamma: int) -> None:
         """Makes room (KV blocks …) for drafting ``gamma`` tokens; may raise OutOfBlocks."""

@@ -373,7 +373,7 @@ class DraftModelProposer(Proposer):
         return forward_time(self.pipeline, 1, context_len, repeats=7, stat="min", requests=batch_size)
 
     def draft_forward_time(self, ctx_len: int, repeats: int = 10, *,
-                           between: Callable[[], object] | None = None) -> float:
+                           between: Callable[[], object] | None = None, warmup: int = 3) -> float:
         """T_draft(1) of the analytic limit: one bare one-token forward, or, where the
         method's γ drafts in one compiled graph, what a draft costs that way: that
         graph (a one-token catch-up + γ - 1 steps) / γ, as the limit charges
@@ -381,12 +381,12 @@ class DraftModelProposer(Proposer):
         each timed first forward only: in a step the other γ - 1 follow the drafter's own."""
         g = self.config.num_speculative_tokens
         if self.drafter._fused is None or g < 2:
-            one = forward_time(self.pipeline, 1, ctx_len, repeats=repeats)
+            one = forward_time(self.pipeline, 1, ctx_len, repeats=repeats, warmup=warmup)
             if between is None or g < 2:
                 return one
-            first = forward_time(self.pipeline, 1, ctx_len, repeats=repeats, between=between)
+            first = forward_time(self.pipeline, 1, ctx_len, repeats=repeats, between=between, warmup=warmup)
             return (first + (g - 1) * one) / g
-        return self._fused_time(ctx_len, g, repeats, between=between) / g
+        return self._fused_time(ctx_len, g, repeats, between=between, warmup=warmup) / g
 
     def fused_draft_cost(self, batch_size: int, context_len: int) -> float | None:
         g = self.config.num_speculative_tokens
@@ -396,12 +396,12 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def _fused_time(self, ctx_len: int, gamma: int, repeats: int, *, requests: int = 1,
-                    stat: str = "median", between: Callable[[], object] | None = None) -> float:
+                    stat: str = "median", between: Callable[[], object] | None = None, warmup: int = 3) -> float:
         """Seconds of the compiled drafting of ``gamma`` tokens (a one-token catch-up, then
         γ - 1 steps) for ``requests`` requests at context ``ctx_len``."""
         with self._fused_args(ctx_len, gamma, requests, unseen=1) as args:
             return time_calls(lambda: self.drafter._fused(*args), self.pipeline.device, repeats=repeats, stat=stat,
-                              between=between)
+                              between=between, warmup=warmup)
 
     @contextmanager
     def _fused_args(self, ctx_len: int, gamma: int, requests: int, unseen: int) -> Iterator[tuple[Any, ...]]:

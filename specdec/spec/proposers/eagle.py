@@ -430,20 +430,20 @@ class EagleProposer(Proposer):
 
     # -- cost ------------------------------------------------------------------------------
     def draft_forward_time(self, ctx_len: int, repeats: int = 10, *,
-                           between: Callable[[], object] | None = None) -> float:
+                           between: Callable[[], object] | None = None, warmup: int = 3) -> float:
         """T_draft(1) of the analytic limit: a bare one-token step of the head, or, where the
         method's γ drafts its steps in one compiled graph, what a draft costs that way:
         (one step + the fused γ - 1 steps) / γ (the limit charges γ · T_draft(1)).
         ``between`` runs before each timed first step only: in a step the other γ - 1
         follow that one, not the target's forward."""
-        first = self._step_time(ctx_len, repeats, between=between)
+        first = self._step_time(ctx_len, repeats, between=between, warmup=warmup)
         g = self.config.num_speculative_tokens
         if g < 2:
             return first
         if self.drafter._fused is None:
-            rest = self._step_time(ctx_len, repeats) if between is not None else first
+            rest = self._step_time(ctx_len, repeats, warmup=warmup) if between is not None else first
             return (first + (g - 1) * rest) / g
-        return (first + self._step_time(ctx_len, repeats, fused=g)) / g
+        return (first + self._step_time(ctx_len, repeats, fused=g, warmup=warmup)) / g
 
     def draft_cost(self, batch_size: int, context_len: int) -> float:
         return self._step_time(max(context_len, 1), repeats=7, requests=max(batch_size, 1), stat="min")
@@ -458,7 +458,7 @@ class EagleProposer(Proposer):
 
     @torch.inference_mode()
     def _step_time(self, ctx_len: int, repeats: int, *, requests: int = 1, stat: str = "median",
-                   fused: int = 0, between: Callable[[], object] | None = None) -> float:
+                   fused: int = 0, between: Callable[[], object] | None = None, warmup: int = 3) -> float:
         """Seconds of a bare one-token step of the head for ``requests`` requests at context
         ``ctx_len``; ``fused=γ``: of the fused γ - 1 steps (EagleDrafter._chain_steps) instead."""
         with self.cache.scratch(requests, ctx_len + max(fused - 1, 0)) as gather:  # [B, S]
@@ -471,11 +471,11 @@ class EagleProposer(Proposer):
                 logits = torch.zeros(b, self.vocab_size, device=self.device, dtype=dtype)
                 args = (logits, feat, pos, gather, self.cache.tensors, *rows, fused, None)  # greedy
                 return time_calls(lambda: self.drafter._fused(*args), self.device, repeats=repeats, stat=stat,
-                                  between=between)
+                                  between=between, warmup=warmup)
             inp = _one_token_step(torch.zeros(b, dtype=torch.long, device=self.device), pos, gather, ctx_len,
                                   self.cache.tensors, *rows)
             return time_calls(lambda: self.head(inp, feat), self.device, repeats=repeats, stat=stat,
-                              between=between)
+                              between=between, warmup=warmup)
 
 
 @register_proposer("eagle3", Eagle3Config)

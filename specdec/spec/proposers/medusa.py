@@ -159,12 +159,13 @@ class MedusaProposer(Proposer):
         return self.heads.num_heads
 
     @torch.inference_mode()
-    def _heads_time(self, batch_size: int, repeats: int, between: Callable[[], object] | None = None) -> float:
+    def _heads_time(self, batch_size: int, repeats: int, between: Callable[[], object] | None = None,
+                    warmup: int = 2) -> float:
         """Median seconds of one pass of the heads a step runs (a chain's γ, a tree's depth)."""
         w = self.heads.block(0).linear.weight
         h = torch.zeros(batch_size, self.heads.config.hidden_size, dtype=w.dtype, device=w.device)
         g = self.tree_facts[0] if self.drafts_trees and self.tree_facts[0] else self.gamma  # heads run
-        return time_calls(lambda: self.heads(h, g), w.device, repeats=repeats, warmup=2, between=between)
+        return time_calls(lambda: self.heads(h, g), w.device, repeats=repeats, warmup=warmup, between=between)
 
     @property
     def gamma(self) -> int:
@@ -173,10 +174,10 @@ class MedusaProposer(Proposer):
         return max(1, g if self.drafts_trees else min(g, self.heads.num_heads))
 
     def draft_forward_time(self, ctx_len: int, repeats: int = 10, *,
-                           between: Callable[[], object] | None = None) -> float:
+                           between: Callable[[], object] | None = None, warmup: int = 3) -> float:
         """T_draft(1) of the analytic limit, which charges it once per draft token: one pass of
         the γ heads (all drafts of a step at once, no context read) divided by γ."""
-        return self._heads_time(1, repeats, between) / self.gamma
+        return self._heads_time(1, repeats, between, warmup) / self.gamma
 
     def draft_cost(self, batch_size: int, context_len: int) -> float:
         """Per draft token, as adaptive γ charges it (γ · T_draft(B)): one pass of the heads / γ."""
