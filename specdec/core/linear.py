@@ -172,8 +172,9 @@ class RMSNorm(nn.Module):
 
     def pack(self, kernel: str = "specdec") -> bool:
         """Has the layer use ``kernel`` where it serves the weight's device and dtype."""
-        self.kernel = "specdec" if kernel == "specdec" and row_kernel_serves(self.weight.device, self.weight.dtype) else None
-        return self.kernel is not None
+        serves = kernel == "specdec" and row_kernel_serves(self.weight.device, self.weight.dtype)
+        self.kernel = "specdec" if serves else None
+        return serves
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:

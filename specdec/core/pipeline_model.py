@@ -32,7 +32,7 @@ from specdec.core.checkpoint import LoadedDecoder, load_decoder
 from specdec.core.context import RequestFailure, TextContext
 from specdec.core.inputs import DecoderOutputs, ModelOutputs
 from specdec.core.kv_cache import BlockTable, KVCacheParams, PagedKVCache
-from specdec.core.linear import pack_layers, register_compiled_lowering
+from specdec.core.linear import KERNELS, pack_layers, register_compiled_lowering
 from specdec.core.registry import BuildContext, Role
 from specdec.core.state_store import RequestStateStore
 from specdec.spec.metrics import RunStats
@@ -77,8 +77,8 @@ class RuntimeConfig:
         for k in ("num_blocks", "threads"):
             if getattr(self, k) is not None and getattr(self, k) < 1:
                 raise ValueError(f"runtime.{k} must be >= 1 or null, got {getattr(self, k)}")
-        if self.cpu_linear not in ("specdec", "onednn", "aten"):
-            raise ValueError(f"runtime.cpu_linear must be specdec, onednn or aten, got {self.cpu_linear!r}")
+        if self.cpu_linear not in (*KERNELS, "aten"):
+            raise ValueError(f"runtime.cpu_linear must be one of {(*KERNELS, 'aten')}, got {self.cpu_linear!r}")
         if self.dtype is not None and self.dtype not in ("float32", "float16", "bfloat16", "float64"):
             raise ValueError(f"runtime.dtype must be float32, float16, bfloat16, float64 or null, got {self.dtype!r}")
 

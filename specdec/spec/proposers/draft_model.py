@@ -381,11 +381,11 @@ class DraftModelProposer(Proposer):
         each timed first forward only: in a step the other γ - 1 follow the drafter's own."""
         g = self.config.num_speculative_tokens
         if self.drafter._fused is None or g < 2:
-            one = forward_time(self.pipeline, 1, ctx_len, repeats=repeats, warmup=warmup)
-            if between is None or g < 2:
-                return one
             first = forward_time(self.pipeline, 1, ctx_len, repeats=repeats, between=between, warmup=warmup)
-            return (first + (g - 1) * one) / g
+            if between is None or g < 2:
+                return first
+            rest = forward_time(self.pipeline, 1, ctx_len, repeats=repeats, warmup=warmup)
+            return (first + (g - 1) * rest) / g
         return self._fused_time(ctx_len, g, repeats, between=between, warmup=warmup) / g
 
     def fused_draft_cost(self, batch_size: int, context_len: int) -> float | None:
