@@ -12,7 +12,8 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from specdec.core.pipeline_model import (
     RuntimeConfig,
     registered_pipeline_model,
 )
-from specdec.engine import Engine, EngineConfig, GenerationOutput
+from specdec.engine import Engine, EngineConfig, GenerationOutput, drain
 from specdec.spec.proposers import ProposerConfig, config_class, registered_proposers
 
 Prompt = str | Sequence[int]
@@ -134,6 +135,27 @@ class StreamChunk:
     error: str | None = None
 
 
+def _requests(prompts: Prompt | Sequence[Prompt],
+              sampling: SamplingParams | Sequence[SamplingParams]) -> tuple[list[Prompt], list[SamplingParams]]:
+    """The prompts as a list (one string is one prompt) and one sampling per prompt; a ``TypeError``
+    or ``ValueError`` that names the argument at fault."""
+    if isinstance(prompts, (str, bytes)):
+        prompts = [prompts]  # type: ignore[list-item]
+    if not isinstance(prompts, Iterable):
+        raise TypeError(f"prompts must be a list of prompts (text or token ids), got {type(prompts).__name__}")
+    prompts = list(prompts)
+    if isinstance(sampling, SamplingParams):
+        params = [sampling] * len(prompts)
+    elif isinstance(sampling, Sequence) and not isinstance(sampling, str):
+        params = list(sampling)
+    else:
+        raise TypeError(f"sampling must be a SamplingParams or a list of one per prompt, "
+                        f"got {type(sampling).__name__}")
+    if len(params) != len(prompts):
+        raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+    return prompts, params
+
+
 class LLM:
     """A target (and optionally a drafting method) ready to generate.
 
@@ -182,9 +204,9 @@ class LLM:
     def __repr__(self) -> str:
         return f"LLM(target={str(self.target)!r}, method={self.method!r})"
 
-    def new_engine(self) -> Engine:
+    def new_engine(self, clock: Callable[[], float] = time.perf_counter) -> Engine:
         return Engine(self.pipeline, self.engine_config, eos_token_ids=self.eos_token_ids, tokenizer=self.tokenizer,
-                      num_replicas=self.runtime.data_parallel_degree)
+                      num_replicas=self.runtime.data_parallel_degree, clock=clock)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -228,27 +250,36 @@ class LLM:
         block and state slot of the call before it propagates: this LLM then
         serves the next call as a fresh one would.
         """
-        if isinstance(prompts, (str, bytes)):
-            prompts = [prompts]  # type: ignore[list-item]
-        if not isinstance(prompts, Iterable):
-            raise TypeError(f"prompts must be a list of prompts (text or token ids), got {type(prompts).__name__}")
-        prompts = list(prompts)
-        if isinstance(sampling, SamplingParams):
-            params = [sampling] * len(prompts)
-        elif isinstance(sampling, Sequence) and not isinstance(sampling, str):
-            params = list(sampling)
-        else:
-            raise TypeError(f"sampling must be a SamplingParams or a list of one per prompt, "
-                            f"got {type(sampling).__name__}")
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        prompts, params = _requests(prompts, sampling)
         if self.dist.dp > 1:  # torchrun: this replica's share, every replica's outputs merged
             from specdec.dist.data_parallel import generate_sharded
 
             return generate_sharded(self, prompts, params)
-        engine = self.new_engine()
+        return drain(self._generate_steps(prompts, params, time.perf_counter))
+
+    def generate_steps(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> Generator[None, None, list[GenerationOutput]]:
+        """:meth:`generate`, one engine step per ``next()``; the outputs are the
+        generator's return value (``StopIteration.value``). ``clock`` times the
+        requests (``ttft_s``, ``decode_s``): a benchmark that runs several of these
+        by turns (:func:`specdec.measure.lockstep`) gives each a clock that runs
+        only during its own steps. Closing it early aborts the requests left."""
+        prompts, params = _requests(prompts, sampling)
+        if self.dist.dp > 1:
+            raise ValueError("generate_steps runs one process's engine: under torchrun data parallelism use generate")
+        return self._generate_steps(prompts, params, clock)
+
+    def _generate_steps(self, prompts: list[Prompt], params: list[SamplingParams],
+                        clock: Callable[[], float]) -> Generator[None, None, list[GenerationOutput]]:
+        engine = self.new_engine(clock)
         ctxs = [self._add(engine, p, sp, f"req-{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
-        engine.run()
+        for _ in engine.steps():
+            yield
         return [GenerationOutput.from_context(c, self._text(engine, c)) for c in ctxs]
 
     def stream(self, prompt: Prompt, sampling: SamplingParams = SamplingParams()) -> Iterator[StreamChunk]:

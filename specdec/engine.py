@@ -23,9 +23,9 @@ import operator
 import random
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -410,14 +410,34 @@ class Engine:
         propagates: the pipeline keeps nothing of this run, and serves the next
         as a fresh one would.
         """
+        for _ in self.steps():
+            pass
+        return self.finished
+
+    def steps(self) -> Iterator[list[TextContext]]:
+        """:meth:`run`, one step per ``next()``: yields each step's ended requests.
+        Closing it early (or an exception in a step) aborts every request not yet
+        ended, as :meth:`run` does when a step raises."""
         try:
             while self.has_work():
-                self.step()
+                yield self.step()
         except BaseException as e:
             for ctx in [*self.running, *self.waiting]:
                 self._end(ctx, "abort", f"request {ctx.request_id!r}: the run stopped: {type(e).__name__}: {e}")
             raise
-        return self.finished
+
+
+R = TypeVar("R")
+
+
+def drain(steps: Generator[object, None, R]) -> R:
+    """Runs a stepped generation (:meth:`Engine.steps`, ``LLM.generate_steps``) to its end;
+    returns the generator's return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
 
 
 def _is_bool(t: object) -> bool:

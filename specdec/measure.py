@@ -6,8 +6,9 @@ only how they are measured):
 - **speedup** of a run over the baseline = the baseline's seconds ÷ the run's
   seconds for the same work (so the ratio of their tokens/s), taken pass by
   pass, both timed in the same pass, and the median over passes
-  (:meth:`Timing.speedup`). Timed side by side, a slow spell of a busy
-  machine falls on both sides of a ratio;
+  (:meth:`Timing.speedup`). Timed side by side, by turns of a few steps
+  (:func:`lockstep`), a slow spell of a busy machine falls on both sides of
+  a ratio;
 - **analytic limit** = τ · T_target(1) / (T_target(γ+1) + γ · T_draft(1))
   (:func:`specdec.spec.metrics.analytic_limit`), from bare forward times of
   the method's own models, timed interleaved (:func:`limit_forward_times`);
@@ -39,7 +40,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Generator, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -85,12 +86,15 @@ def timed(fn: Callable[[], T]) -> tuple[float, T]:
 
 @dataclass(frozen=True)
 class Run(Generic[T]):
-    """One contestant of :func:`interleave`."""
+    """One contestant of :func:`interleave` or :func:`lockstep`."""
 
     fn: Callable[[], T]  # one timed pass
     warmup: Callable[[], object] | None = None  # untimed, before any timing; None: a pass of fn
     before: Callable[[], object] | None = None  # untimed, before each timed pass (e.g. reset_stats)
     passes: int | None = None  # timed passes, the first ones (None: every repeat)
+    # lockstep only: the same pass as a generator of steps that returns fn's result,
+    # timestamping with the clock given (``LLM.generate_steps``); None: fn, whole, in one turn.
+    steps: Callable[[Callable[[], float]], Generator[None, None, T]] | None = None
 
 
 @dataclass
@@ -172,6 +176,109 @@ def interleave(
             timing.outputs[name].append(out)
         for name, t in this_pass.items():
             timing.ratios[name].append(this_pass[baseline] / t)
+    return timing
+
+
+class TurnClock:
+    """Seconds of its owner's turns so far (:func:`lockstep`): it runs only between
+    ``start()`` and ``stop()``, so the requests of a run timed by turns get their
+    ``ttft_s`` / ``decode_s`` without the other runs' turns in them."""
+
+    def __init__(self) -> None:
+        self.elapsed = 0.0
+        self.since: float | None = None  # perf_counter at the start of the turn running now
+
+    def start(self) -> float:
+        self.since = time.perf_counter()
+        return self.since
+
+    def stop(self) -> None:
+        assert self.since is not None
+        self.elapsed += time.perf_counter() - self.since
+        self.since = None
+
+    def __call__(self) -> float:
+        return self.elapsed + (time.perf_counter() - self.since if self.since is not None else 0.0)
+
+
+def lockstep(
+    runs: Mapping[str, Run[T]],
+    *,
+    baseline: str,
+    repeats: int,
+    turn_s: float = 0.05,
+    warmup: int = 1,
+    offset: int = 0,
+) -> Timing[T]:
+    """:func:`interleave`, with the runs of a pass timed *at once*, by turns.
+
+    A pass starts every run's :attr:`Run.steps` generator, then gives each, in
+    turn (rotated by pass, as :func:`interleave` rotates), the steps that fit in
+    ``turn_s`` (at least one). A run's time in the pass is the sum of its turns.
+    So every run of a pass samples the same seconds of the machine: a slow
+    spell lands on all of them, not on whichever ran while it lasted. (On a
+    2-core VM whose speed drifts ±5-10% over seconds, two identical runners
+    timed pass after pass gave per-pass ratios spread ±8%.) Runs without
+    ``steps`` (another library's ``generate``) are timed whole, one after
+    another, before the turns begin: turns of ours right after a turn of
+    transformers ran about 25% slower, for as long as they alternated.
+
+    After the first pass each run's turn is ``turn_s`` × its last time ÷ the
+    baseline's, so that all finish together and none runs its tail alone.
+    Caches: each turn starts on what the previous run's turn left in them, the
+    same for every run (a step's own models still evict one another as in any
+    run). ``ttft_s`` / ``decode_s`` of the requests count only their run's own
+    turns (:class:`TurnClock`).
+
+    Example, ``turn_s`` = 50 ms, plain decoding at 3 ms a step against
+    speculation at 6 ms a step making 2× the tokens: pass 1 alternates about 17
+    plain steps and 9 speculative ones; from pass 2 plain gets 100 ms turns
+    (its last time was twice the other's), so both finish in about the same
+    number of turns.
+    """
+    rs = dict(runs)
+    if baseline not in rs or rs[baseline].passes is not None:
+        raise ValueError(f"the baseline {baseline!r} must be one of the runs and time every pass")
+    if turn_s <= 0:
+        raise ValueError(f"turn_s must be > 0, got {turn_s}")
+    warm_up(rs, warmup)
+    names = list(rs)
+    timing: Timing[T] = Timing(baseline, {k: [] for k in rs}, {k: [] for k in rs}, {k: [] for k in rs})
+    share = dict.fromkeys(names, 1.0)  # each run's turn ÷ turn_s
+    for p in range(repeats):
+        first = (offset + p) % len(names)
+        order = [k for k in names[first:] + names[:first] if rs[k].passes is None or p < rs[k].passes]
+        clocks = {k: TurnClock() for k in order}
+        for k in order:
+            if rs[k].before is not None:
+                rs[k].before()  # type: ignore[misc]
+        this_pass: dict[str, float] = {}
+        for k in order:
+            if rs[k].steps is None:
+                this_pass[k], out = timed(rs[k].fn)
+                timing.outputs[k].append(out)
+        gc.collect()
+        gc.freeze()
+        live = {k: steps(clocks[k]) for k in order if (steps := rs[k].steps) is not None}
+        while live:
+            for k in [k for k in order if k in live]:
+                clock = clocks[k]
+                end = clock.start() + turn_s * share[k]
+                try:
+                    while True:
+                        next(live[k])
+                        if time.perf_counter() >= end:
+                            break
+                except StopIteration as done:
+                    timing.outputs[k].append(done.value)
+                    del live[k]
+                finally:
+                    clock.stop()
+        this_pass |= {k: clocks[k].elapsed for k in order if rs[k].steps is not None}
+        for k, t in this_pass.items():
+            timing.times[k].append(t)
+            timing.ratios[k].append(this_pass[baseline] / t)
+            share[k] = min(max(t / this_pass[baseline], 0.25), 4.0)
     return timing
 
 

@@ -3,7 +3,7 @@
 A study is a Hydra app over :class:`StudyConfig` (or a subclass) with a
 ``run(cfg) -> dict`` function; this module gives it its inputs (checkpoints,
 prompts, method configs, ``LLM`` s), timing against plain decoding
-(:func:`specdec.measure.interleave`), and its outputs: ``<study>.json``,
+(:func:`specdec.measure.lockstep`), and its outputs: ``<study>.json``,
 ``<study>.png`` and a W&B run (offline by default; ``logger=none`` turns it
 off; a W&B failure is one warning and the study goes on).
 """
@@ -34,7 +34,7 @@ from specdec.measure import (
     builtin_pair,
     builtin_prompts,
     checkpoint,
-    interleave,
+    lockstep,
     load_config,
     machine,
     print_table,
@@ -142,11 +142,14 @@ def sampling(cfg: StudyConfig, n: int, temperature: float = 0.0) -> list[Samplin
 
 def time_against_plain(llms: Mapping[str, LLM], prompts: list[list[int]], params: list[SamplingParams],
                        repeats: int, offset: int = 0) -> Timing[list[GenerationOutput]]:
-    """Every ``LLM`` (one named ``plain``) over ``prompts``, interleaved passes; stats are the last pass's."""
+    """Every ``LLM`` (one named ``plain``) over ``prompts``, timed side by side (each pass by
+    turns, :func:`~specdec.measure.lockstep`); stats are the last pass's."""
     warm = [dataclasses.replace(p, max_new_tokens=4) for p in params]
     runs = {k: Run(lambda llm=llm: llm.generate(prompts, params), warmup=lambda llm=llm: llm.generate(prompts, warm),
-                   before=llm.pipeline.reset_stats) for k, llm in llms.items()}
-    return interleave(runs, baseline="plain", repeats=repeats, offset=offset)
+                   before=llm.pipeline.reset_stats,
+                   steps=lambda clock, llm=llm: llm.generate_steps(prompts, params, clock=clock))
+            for k, llm in llms.items()}
+    return lockstep(runs, baseline="plain", repeats=repeats, offset=offset)
 
 
 def counts_row(llm: LLM) -> dict[str, Any]:

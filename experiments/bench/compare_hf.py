@@ -3,7 +3,8 @@
     python experiments/bench/compare_hf.py quick=true
     python experiments/bench/compare_hf.py pairs=[builtin,random] batch_sizes=[1,4,16,64]
 
-Batch 1, side by side in one run (interleaved passes, rotated, medians):
+Batch 1, side by side in one run (passes of ours timed at once, by turns of
+``turn_ms``; transformers' whole, before them; rotated; medians):
 transformers ``generate`` plain, assisted generation (``assistant_model``;
 its default schedule and a fixed γ), prompt lookup
 (``prompt_lookup_num_tokens``), and ours (plain, draft model, n-gram). Every
@@ -84,6 +85,7 @@ from specdec.measure import (
     hf_model,
     interleave,
     limit_forward_times,
+    lockstep,
     load_config,
     outputs_equal,
     print_table,
@@ -122,6 +124,9 @@ class CompareConfig:
     # ratio to plain is 1 but for the machine's noise, so it shows how far from 1 a
     # *_vs_plain figure must be to mean anything (aa_vs_plain_min / _max in the JSON).
     sweep_aa: bool = True
+    # Side by side: the contestants of a pass run at once, by turns of about this many ms
+    # (specdec.measure.lockstep); 0: each pass whole, one contestant after another (interleave).
+    turn_ms: float = 50.0
     out: str = "outputs/bench"
     threads: int = 2
     compile: bool = True  # ours with runtime.compile (its eager runs are measured alongside at batch 1)
@@ -205,9 +210,10 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
     }
     # Ours warm up with a whole untimed pass (compiled: every shape kind the
     # timed passes meet compiles there, not inside a timed pass).
-    runs |= {k: Run(lambda llm=llm: llm.generate(prompts, sp), before=llm.pipeline.reset_stats)
+    runs |= {k: Run(lambda llm=llm: llm.generate(prompts, sp), before=llm.pipeline.reset_stats,
+                    steps=lambda clock, llm=llm: llm.generate_steps(prompts, sp, clock=clock))
              for k, llm in ours.items()}
-    timing = interleave(runs, baseline=_ours("plain", c), repeats=cfg.repeats)
+    timing = timed_side_by_side(cfg, runs, baseline=_ours("plain", c), repeats=cfg.repeats)
     tokens = len(prompts) * n
     tps = {k: tokens / timing.median(k) for k in runs}
     ref = _token_ids(timing.last("hf plain"))
@@ -231,7 +237,7 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
     rows = [{"pair": name, "method": k, "tok_s": v, "vs_hf_plain": v / tps["hf plain"], "equal": equal[k]}
             for k, v in tps.items()]
     print_table(rows, f"batch 1, greedy, {len(prompts)} prompts x {n} tokens, medians of {cfg.repeats} "
-                      f"interleaved passes ({name} pair)")
+                      f"passes side by side ({name} pair)")
     # Where each speculative step's time goes (the last timed pass of each of ours).
     steps = {k: step_breakdown(llm.pipeline.stats(), timing.times[k][-1], bare if k == dm else None, gamma=cfg.gamma)
              for k, llm in ours.items() if llm.method is not None}
@@ -273,6 +279,13 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
     return out
 
 
+def timed_side_by_side(cfg: CompareConfig, runs: dict[str, Run[Any]], *, baseline: str, repeats: int) -> Timing[Any]:
+    """The runs' passes timed by turns (``turn_ms``), or whole, one after another (``turn_ms=0``)."""
+    if cfg.turn_ms > 0:
+        return lockstep(runs, baseline=baseline, repeats=repeats, turn_s=cfg.turn_ms / 1e3)
+    return interleave(runs, baseline=baseline, repeats=repeats)
+
+
 def hf_batched(model: Any, prompts: list[list[int]], batch: int, new_tokens: int) -> None:
     """transformers ``generate`` over ``prompts`` in batches, left-padded (its batching)."""
     for i in range(0, len(prompts), batch):
@@ -294,13 +307,14 @@ def sweep_point(cfg: CompareConfig, llms: dict[str, LLM], hf_t: Any, ps: list[li
     short = replace(sp, max_new_tokens=4)
     runs: dict[str, Run[Any]] = {
         k: Run(lambda llm=llm: llm.generate(ps, sp),
-               warmup=None if cfg.sweep_compile else (lambda llm=llm: llm.generate(ps[:b], short)))
+               warmup=None if cfg.sweep_compile else (lambda llm=llm: llm.generate(ps[:b], short)),
+               steps=lambda clock, llm=llm: llm.generate_steps(ps, sp, clock=clock))
         for k, llm in llms.items()
     }
     if hf_t is not None:  # a reference only
         runs["hf plain"] = Run(lambda: hf_batched(hf_t, ps, b, sp.max_new_tokens),
                                warmup=lambda: hf_batched(hf_t, ps[:b], b, 4), passes=max(1, cfg.repeats - 1))
-    return interleave(runs, baseline="plain", repeats=repeats)
+    return timed_side_by_side(cfg, runs, baseline="plain", repeats=repeats)
 
 
 def sweep(

@@ -5,7 +5,7 @@
 
 For each proposer (any registered one, by name) and γ: τ, α, tokens/s,
 speedup over our plain decoding of the same target (same prompts, same batch
-size, interleaved passes; ``speedup`` whole requests, ``decode_speedup`` after
+size, passes timed side by side by turns; ``speedup`` whole requests, ``decode_speedup`` after
 each request's first step) and efficiency = decode_speedup / analytic limit,
 the limit from bare forward times of the method's own models timed in the same
 run (definitions: :mod:`specdec.measure`). The limit is a per-step model of
@@ -73,7 +73,7 @@ from specdec.measure import (
     checkpoint,
     efficiency,
     emit_json,
-    interleave,
+    lockstep,
     limit_forward_times,
     load_config,
     outputs_equal,
@@ -194,8 +194,10 @@ def main(argv: list[str]) -> None:
     llms |= {k: LLM(target, method=method(n, g, paths[n], cfg), runtime=runtime, engine_config=engine_cfg)
              for k, (n, g) in grid.items()}
     runs = {k: Run(lambda llm=llm: llm.generate(prompts, sp), warmup=lambda llm=llm: llm.generate(warm_prompts, warm),
-                   before=llm.pipeline.reset_stats) for k, llm in llms.items()}
-    timing = interleave(runs, baseline="plain", repeats=cfg.repeats)
+                   before=llm.pipeline.reset_stats,
+                   steps=lambda clock, llm=llm: llm.generate_steps(prompts, sp, clock=clock))
+             for k, llm in llms.items()}
+    timing = lockstep(runs, baseline="plain", repeats=cfg.repeats)
     plain_ids = [o.token_ids for o in timing.last("plain")]
     n_tokens = sum(len(ids) for ids in plain_ids)
     # Bare forward times at a typical context length, for the analytic limit.
@@ -233,7 +235,7 @@ def main(argv: list[str]) -> None:
                   "bare T_t(1)_ms": t1_ms, "step / bare": plain_step_ms / t1_ms}],
                 f"plain decoding, batch {cfg.batch_size}, {target}")
     print_table(rows, f"speculation, batch {cfg.batch_size}, {len(prompts)} prompts x {cfg.new_tokens} tokens, "
-                f"{cfg.repeats} interleaved passes (tok_s: median; speedup: median of per-pass ratios)")
+                f"{cfg.repeats} passes side by side (tok_s: median; speedup: median of per-pass ratios)")
     print_table([breakdown_row(k, b) for k, b in breakdown.items()],
                 "step time, ms per speculative step in the loop (bare: what the analytic limit charges), "
                 "last timed pass; accounted = the phases' share of its wall time")

@@ -11,8 +11,8 @@ below plain decoding. Adaptive γ (``adaptive_gamma=True``,
 forward times and running acceptance, down to 0 (plain) where drafting
 cannot pay. At each batch size, plain decoding and every method × {fixed,
 adaptive} run the same prompts (at least ``min_requests`` of them, so small
-batches time more than one request) in interleaved passes
-(:func:`specdec.measure.interleave`); speedup is the median over passes of
+batches time more than one request) in passes timed by turns
+(:func:`specdec.measure.lockstep`); speedup is the median over passes of
 plain's time ÷ the method's in the same pass. Greedy outputs must equal
 plain's (``equal``).
 

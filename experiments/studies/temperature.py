@@ -5,8 +5,8 @@
     python experiments/studies/temperature.py target=/ckpt/target draft=/ckpt/draft logger=none
 
 At each temperature every method and plain decoding of the target run the
-same prompts, seeded (prompt i: ``seed + i``), in interleaved passes
-(:func:`specdec.measure.interleave`); speedup is the median over passes of
+same prompts, seeded (prompt i: ``seed + i``), in passes timed by turns
+(:func:`specdec.measure.lockstep`); speedup is the median over passes of
 plain's time ÷ the method's in the same pass. Sampling lowers acceptance
 where the draft's distribution differs from the target's (a token is kept
 with probability min(1, p/q)); at temperature 0 every speculative output

@@ -3,8 +3,8 @@ baseline) and with each selected speculative method, in the same run.
 
 :func:`run_experiment` takes the composed Hydra config (``conf/run.yaml``)
 and returns the run summary. Per batch of ``batch_size`` requests it runs the
-plain pipeline and every method (interleaved, in rotating order, timed by
-:mod:`specdec.measure`), then writes one line per request to
+plain pipeline and every method (side by side, by turns of a few steps, in
+rotating order: :func:`specdec.measure.lockstep`), then writes one line per request to
 ``results.jsonl`` (append + flush + fsync) and rewrites ``summary.json``, so
 an interrupted run loses at most the batch in flight. Files in the run
 directory:

@@ -1,7 +1,7 @@
 """Plain decoding and every method over the same requests, batch by batch.
 
-Each batch runs once per pipeline, interleaved by :func:`specdec.measure.interleave`
-(the order rotated batch to batch, so no pipeline always goes first), and
+Each batch runs once per pipeline, the pipelines by turns of a few steps
+(:func:`specdec.measure.lockstep`; the order rotated batch to batch), and
 comes back as one record per request (the layout of ``results.jsonl``).
 
 Prompts go through the target's chat template with ``data.chat=true``
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Any
@@ -29,9 +29,10 @@ from specdec.conf_schema import Components
 from specdec.core.context import SamplingParams, TextContext
 from specdec.data.chat import ChatTemplate, conversation_prompt, load_chat_template
 from specdec.data.prompts import Prompt
+from specdec.engine import drain
 from specdec.experiment.rundir import PLAIN, ExperimentError
 from specdec.experiment.summary import Repetition, merge_counts
-from specdec.measure import ForwardTimes, Run, first_mismatch, interleave, limit_forward_times, warm_up
+from specdec.measure import ForwardTimes, Run, first_mismatch, limit_forward_times, lockstep, warm_up
 from specdec.spec.metrics import SpecCounts
 
 Item = tuple[str, list[int], SamplingParams]  # request id, prompt ids, sampling
@@ -57,9 +58,15 @@ def request_seed(engine_seed: int, request_id: str) -> int:
 
 def _generate(llm: LLM, items: Sequence[Item]) -> list[TextContext]:
     """One pass: the requests through a fresh engine, under their own ids."""
-    engine = llm.new_engine()
+    return drain(_generate_steps(llm, items, time.perf_counter))
+
+
+def _generate_steps(llm: LLM, items: Sequence[Item],
+                    clock: Callable[[], float]) -> Generator[object, None, list[TextContext]]:
+    """:func:`_generate`, one engine step per ``next()``, its requests timed by ``clock`` (lockstep's)."""
+    engine = llm.new_engine(clock)
     ctxs = [engine.add_request(ids, sp, request_id=rid) for rid, ids, sp in items]
-    engine.run()
+    yield from engine.steps()
     return ctxs
 
 
@@ -239,9 +246,10 @@ class Runner:
         outs: dict[str, dict[str, list[list[int]]]],
     ) -> None:
         """One turn: each pipeline's ``items`` (interleaved, timed); appends each request's entry and output."""
-        runs = {name: Run(partial(_generate, llm, items[name]), before=llm.pipeline.reset_stats)
+        runs = {name: Run(partial(_generate, llm, items[name]), before=llm.pipeline.reset_stats,
+                          steps=partial(_generate_steps, llm, items[name]))
                 for name, llm in self.llms.items()}
-        timing = interleave(runs, baseline=PLAIN, repeats=1, warmup=0, offset=offset)
+        timing = lockstep(runs, baseline=PLAIN, repeats=1, warmup=0, offset=offset)
         for name, llm in self.llms.items():
             n = len(items[name])
             if not n:

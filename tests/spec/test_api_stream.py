@@ -261,6 +261,37 @@ def test_an_abandoned_stream_frees_its_request(llms, method):
     assert llm.generate("the cat sat", GREEDY)[0].token_ids == want
 
 
+@pytest.mark.parametrize("method", list(METHODS))
+def test_generate_steps_is_generate_one_step_at_a_time_on_its_clock(llms, method):
+    """What a benchmark timing runs by turns drives (specdec.measure.lockstep)."""
+    llm = llms[method]
+    want = llm.generate(PROMPTS, GREEDY)
+    ticks = iter(range(1, 10_000))
+    steps = llm.generate_steps(PROMPTS, GREEDY, clock=lambda: float(next(ticks)))
+    n = 0
+    while True:
+        try:
+            next(steps)
+            n += 1
+        except StopIteration as done:
+            outs = done.value
+            break
+    assert [(o.token_ids, o.text, o.finish_reason) for o in outs] == [
+        (o.token_ids, o.text, o.finish_reason) for o in want]
+    assert n >= 40 // 4 if method != "plain" else n >= 40  # one engine step per next()
+    # Timestamps come from the clock given: whole ticks, the first step's after the requests were queued.
+    assert all(o.ttft_s == int(o.ttft_s) >= 1 and o.decode_s == int(o.decode_s) >= 1 for o in outs)
+    assert_all_free(llm)
+    # Closed early: its requests end and free what they held; the LLM is as new.
+    steps = llm.generate_steps(PROMPTS, GREEDY)
+    next(steps), next(steps)
+    steps.close()
+    assert_all_free(llm)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [o.token_ids for o in want]
+    with pytest.raises(ValueError, match="sampling params for 4 prompts"):
+        llm.generate_steps(PROMPTS, [GREEDY])  # checked at the call, not at the first step
+
+
 def test_a_stream_whose_step_raises_frees_its_request(llms, monkeypatch):
     llm = llms["draft"]
     module = llm.pipeline.target.module

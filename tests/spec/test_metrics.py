@@ -14,6 +14,7 @@ first wrong one, so every step's outcome can be worked out on paper.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from fractions import Fraction
@@ -370,3 +371,61 @@ def test_bench_checkpoints_in_scratch_dirs_go_when_the_process_exits() -> None:
     made = out.stdout.strip().splitlines()[-1]
     assert made.startswith(tempfile.gettempdir()) and "specdec-test-" in made
     assert not os.path.exists(made)
+
+
+# -- lockstep: the runs of a pass timed at once, by turns ------------------------------------
+
+
+def _sleeper(log: list[str], name: str, steps: int, step_s: float, result: str):
+    """A stepped pass: ``steps`` steps of ``step_s`` each (sleeping), logged; returns ``result``
+    and the pass's own clock reading at its end."""
+    def steps_fn(clock):
+        start = clock()
+        for _ in range(steps):
+            time.sleep(step_s)
+            log.append(name)
+            yield
+        return result, clock() - start
+    return steps_fn
+
+
+def test_lockstep_alternates_the_runs_and_times_each_by_its_own_turns() -> None:
+    from specdec.measure import Run, lockstep
+
+    log: list[str] = []
+    whole: list[int] = []
+    runs = {
+        "plain": Run(lambda: None, warmup=lambda: None, steps=_sleeper(log, "plain", 36, 0.001, "p")),
+        "spec": Run(lambda: None, warmup=lambda: None, steps=_sleeper(log, "spec", 12, 0.001, "s")),
+        "other": Run(lambda: whole.append(len(log)) or "o", warmup=lambda: None),  # not steppable
+    }
+    t0 = time.perf_counter()
+    t = lockstep(runs, baseline="plain", repeats=2, turn_s=0.006)
+    wall = time.perf_counter() - t0
+    assert [o[0] for o in t.outputs["plain"]] == ["p", "p"] and [o[0] for o in t.outputs["spec"]] == ["s", "s"]
+    assert t.outputs["other"] == ["o", "o"] and whole == [0, 48]  # whole, before each pass's turns
+    first, second = log[:48], log[48:]
+    # Pass 1, equal turns (about 6 one-ms steps): plain, then spec, then plain again ...
+    runs_of = [(k, len(list(g))) for k, g in itertools.groupby(first)]
+    assert [k for k, _ in runs_of[:4]] == ["plain", "spec", "plain", "spec"]
+    assert all(3 <= n <= 7 for _, n in runs_of[:4])
+    # ... so spec is done after two turns and plain runs its last 24 steps alone.
+    assert first[-20:] == ["plain"] * 20
+    # Pass 2: each turn is turn_s x the run's last time ÷ the baseline's: spec's a third of plain's,
+    # so the two finish together.
+    assert "spec" in second[-8:] and second.count("spec") == 12
+    for name, n in (("plain", 36), ("spec", 12)):
+        for secs, (_, own) in zip(t.times[name], t.outputs[name]):
+            assert secs >= n * 0.001  # its own steps ...
+            assert own == pytest.approx(secs, abs=1e-3)  # ... and its clock ran only in its turns
+    assert sum(map(sum, t.times.values())) <= wall  # turns never overlap
+    assert t.ratios["plain"] == [1.0, 1.0] and t.speedup("spec") > 1.5
+
+
+def test_lockstep_needs_its_baseline_in_every_pass() -> None:
+    from specdec.measure import Run, lockstep
+
+    with pytest.raises(ValueError, match="baseline 'plain'"):
+        lockstep({"spec": Run(lambda: None)}, baseline="plain", repeats=1)
+    with pytest.raises(ValueError, match="turn_s"):
+        lockstep({"plain": Run(lambda: None)}, baseline="plain", repeats=1, turn_s=0)
