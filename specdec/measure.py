@@ -230,11 +230,12 @@ def lockstep(
     run). ``ttft_s`` / ``decode_s`` of the requests count only their run's own
     turns (:class:`TurnClock`).
 
-    Example, ``turn_s`` = 50 ms, plain decoding at 3 ms a step against
-    speculation at 6 ms a step making 2× the tokens: pass 1 alternates about 17
-    plain steps and 9 speculative ones; from pass 2 plain gets 100 ms turns
-    (its last time was twice the other's), so both finish in about the same
-    number of turns.
+    Example, ``turn_s`` = 50 ms, plain decoding (the baseline) at 3 ms and one
+    token a step against speculation at 4.5 ms and 3 tokens a step, twice as
+    fast: in pass 1 both get 50 ms turns (about 17 plain steps, 11 speculative
+    ones), so speculation is done halfway and plain runs its second half
+    alone; from pass 2 speculation gets 25 ms turns (its last time was half
+    the baseline's) and the two finish together.
     """
     rs = dict(runs)
     if baseline not in rs or rs[baseline].passes is not None:
