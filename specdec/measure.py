@@ -184,21 +184,22 @@ class TurnClock:
     ``start()`` and ``stop()``, so the requests of a run timed by turns get their
     ``ttft_s`` / ``decode_s`` without the other runs' turns in them."""
 
-    def __init__(self) -> None:
+    def __init__(self, timer: Callable[[], float] = time.perf_counter) -> None:
+        self.timer = timer
         self.elapsed = 0.0
-        self.since: float | None = None  # perf_counter at the start of the turn running now
+        self.since: float | None = None  # the timer at the start of the turn running now
 
     def start(self) -> float:
-        self.since = time.perf_counter()
+        self.since = self.timer()
         return self.since
 
     def stop(self) -> None:
         assert self.since is not None
-        self.elapsed += time.perf_counter() - self.since
+        self.elapsed += self.timer() - self.since
         self.since = None
 
     def __call__(self) -> float:
-        return self.elapsed + (time.perf_counter() - self.since if self.since is not None else 0.0)
+        return self.elapsed + (self.timer() - self.since if self.since is not None else 0.0)
 
 
 def lockstep(
@@ -209,6 +210,7 @@ def lockstep(
     turn_s: float = 0.05,
     warmup: int = 1,
     offset: int = 0,
+    timer: Callable[[], float] = time.perf_counter,
 ) -> Timing[T]:
     """:func:`interleave`, with the runs of a pass timed *at once*, by turns.
 
@@ -228,7 +230,8 @@ def lockstep(
     Caches: each turn starts on what the previous run's turn left in them, the
     same for every run (a step's own models still evict one another as in any
     run). ``ttft_s`` / ``decode_s`` of the requests count only their run's own
-    turns (:class:`TurnClock`).
+    turns (:class:`TurnClock`). ``timer``: the clock of the turns and the times
+    (tests give their own).
 
     Example, ``turn_s`` = 50 ms, plain decoding (the baseline) at 3 ms and one
     token a step against speculation at 4.5 ms and 3 tokens a step, twice as
@@ -249,15 +252,18 @@ def lockstep(
     for p in range(repeats):
         first = (offset + p) % len(names)
         order = [k for k in names[first:] + names[:first] if rs[k].passes is None or p < rs[k].passes]
-        clocks = {k: TurnClock() for k in order}
+        clocks = {k: TurnClock(timer) for k in order}
         for k in order:
             if rs[k].before is not None:
                 rs[k].before()  # type: ignore[misc]
         this_pass: dict[str, float] = {}
         for k in order:
             if rs[k].steps is None:
-                this_pass[k], out = timed(rs[k].fn)
-                timing.outputs[k].append(out)
+                gc.collect()
+                gc.freeze()
+                t0 = timer()
+                timing.outputs[k].append(rs[k].fn())
+                this_pass[k] = timer() - t0
         gc.collect()
         gc.freeze()
         live = {k: steps(clocks[k]) for k in order if (steps := rs[k].steps) is not None}
@@ -268,7 +274,7 @@ def lockstep(
                 try:
                     while True:
                         next(live[k])
-                        if time.perf_counter() >= end:
+                        if timer() >= end:
                             break
                 except StopIteration as done:
                     timing.outputs[k].append(done.value)

@@ -39,7 +39,7 @@ from torch import nn
 
 from specdec.core.context import RequestFailure, TextContext
 from specdec.core.inputs import DecoderInputs
-from specdec.core.pipeline_model import DecoderPipelineModel, compile_function, non_finite
+from specdec.core.pipeline_model import DecoderPipelineModel, PlainGeneration, compile_function, non_finite
 from specdec.core.state_store import RequestStateStore, StateSpec
 from specdec.sampling import SamplingTensors, finite_rows, probs_from_logits
 from specdec.spec.forward_time import forward_time
@@ -394,6 +394,7 @@ class SpecDecodePipelineModel:
                                      drafts_after_verify=proposer.drafts_after_verify, state=self.state,
                                      tree_facts=proposer.tree_facts if proposer.drafts_trees else None,
                                      compile_on=self.device if target.runtime.compile else None)
+        self.plain = PlainGeneration(target, max_seq_len)  # what a step that drafts nothing runs
         self.counts: dict[str, SpecCounts] = {}
         self.num_target_forwards = 0
         self.num_spec_steps = 0  # _spec_step calls (the step-time breakdown's steps)
@@ -410,6 +411,8 @@ class SpecDecodePipelineModel:
         self._curves: tuple[TargetCost, CostCurve] | None = None
         self._catch_up: CostCurve | None = None  # seconds for the drafter to read n unseen tokens
         self._full_gamma: tuple[int, CostCurve] | None = None  # (method γ, T_draft(B) there) when it differs
+        # The batch adaptive γ last ran plain, the drafter's counts then, the γ cap: _policy_gamma.
+        self._plain_for: tuple[list[TextContext], tuple[int, ...], int] | None = None
         self._greedy: dict[int, SamplingTensors] = {}  # all-greedy sampling tensors per batch size
         if config.gamma_policy.adaptive:  # calibrate now, while the KV cache is empty
             self._cost_curves()
@@ -606,6 +609,15 @@ class SpecDecodePipelineModel:
     def _policy_gamma(self, batch: list[TextContext], gammas: list[int]) -> int:
         pol = self.config.gamma_policy
         seen = tuple(self._drafter_running)
+        # Plain decoding chosen for this very batch stays chosen until it changes: a step that
+        # drafts nothing changes no acceptance, and its tokens only add to what a drafter has
+        # not read (a larger catch-up) over fewer remaining tokens; a smaller γ cap (requests
+        # near their end) only takes choices away. So skip the model then (at batch 16-64 it
+        # cost about 1% of a compiled step).
+        last = self._plain_for
+        if (last is not None and last[1] == seen and max(gammas) <= last[2] and len(last[0]) == len(batch)
+                and all(a is b for a, b in zip(last[0], batch))):  # (the same requests, not just their ids)
+            return 0
         accept = [pol.acceptance(tuple(self._running.get(c.request_id, (0, 0))), seen) for c in batch]
         tt, td = self._cost_curves()
         # Unseen tokens past a step's own catch-up (γ + 1 at most) are a one-time cost
@@ -617,7 +629,32 @@ class SpecDecodePipelineModel:
         remaining = sum(max(1, c.sampling.max_new_tokens - c.num_generated) for c in batch)
         g = choose_gamma(accept, max(gammas), tt, td, pol.min_gain, catch_up_s=catch_up, remaining_tokens=remaining,
                          fused=self._full_gamma)
-        return pol.explore(g, max(gammas), seen[1])
+        g = pol.explore(g, max(gammas), seen[1])
+        self._plain_for = (list(batch), seen, max(gammas)) if g == 0 else None
+        return g
+
+    def _plain_step(self, batch: list[TextContext], chunks: list[tuple[TextContext, int]],
+                    t: float) -> list[list[int] | RequestFailure]:
+        """A step that drafts nothing is a step of plain decoding (:class:`PlainGeneration`:
+        the same forward, sampling and checks, none of the verification's bookkeeping), the
+        batch's and the prefill chunks' rows in one forward. Adaptive γ turns speculation
+        off this way where it cannot pay (large batches), so there it costs what plain
+        decoding costs. Its time is the step's ``target_forward``."""
+        fed = batch + [c for c, _ in chunks]
+        out = self.plain.step(fed, [self.unprocessed(c) for c in batch] + [n for _, n in chunks])[: len(batch)]
+        self.num_target_forwards += 1
+        for c, toks in zip(batch, out):
+            if not isinstance(toks, RequestFailure):
+                self._counts(c).record(0, 0)
+        self.module.times.lap("target_forward", t)
+        self.module.times.prefilling = False
+        return out
+
+    def _counts(self, ctx: TextContext) -> SpecCounts:
+        counts = self.counts.get(ctx.request_id)
+        if counts is None:
+            counts = self.counts[ctx.request_id] = SpecCounts()
+        return counts
 
     def _spec_step(self, batch: list[TextContext],
                    chunks: list[tuple[TextContext, int]]) -> list[list[int] | RequestFailure]:
@@ -646,6 +683,8 @@ class SpecDecodePipelineModel:
                 gamma = draft.gamma
                 draft = draft if gamma else None
         t = times.lap("draft_prepare", t)
+        if gamma == 0 and not after:
+            return self._plain_step(batch, chunks, t)
         fed, num_tokens = batch, None
         # One forward for all when nothing is drafted, or when the drafter drafts
         # after verification (it catches up on the chunks' rows too): the chunks'
@@ -710,10 +749,7 @@ class SpecDecodePipelineModel:
                 what = "the drafter's probabilities" if fault % 2 else "the target's logits"
                 new.append(non_finite(c, what, ln + fault // 2))
                 continue
-            counts = self.counts.get(c.request_id)
-            if counts is None:
-                counts = self.counts[c.request_id] = SpecCounts()
-            counts.record(n, k, depth=depth)
+            self._counts(c).record(n, k, depth=depth)
             new.append(toks[: k + 1])
             if g:  # drafts were asked for (found or not): adaptive γ's running acceptance
                 running = self._running.get(c.request_id)

@@ -73,7 +73,8 @@ def _run(tiny_llama, compile_: bool) -> tuple[list[list[int]], list[list[int]], 
     out += ([o.token_ids for o in spec.generate(PROMPTS, sampled)], spec.pipeline.stats().counts)
     if compile_:
         assert len(fused_calls) >= 4  # sampled chains fuse too
-        assert len(verify_calls) >= 8 and verify is not pipeline_verify  # (not the eager function)
+        # (A step that drafts nothing, a request's last, runs as plain decoding: no verification.)
+        assert len(verify_calls) >= 4 and verify is not pipeline_verify  # (not the eager function)
         # ... and traced whole: a graph break would run the fused steps piece by piece.
         assert not counters["graph_break"] and not counters["unimplemented"], dict(counters["unimplemented"])
         # The analytic limit charges a draft what it costs this way: the fused steps are timed.

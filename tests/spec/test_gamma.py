@@ -156,3 +156,27 @@ def test_exploration_stops_where_speculation_cannot_pay(tiny_llama) -> None:
     assert _call(llm, prompts, ["a", "b"], sp) > 0  # exploring steps only: ...
     assert llm.pipeline._drafter_running[1] < 8 + 2 * 4  # ... it stopped once 8 drafts were tried
     assert _call(llm, prompts, ["c", "d"], sp) == 0
+
+
+def test_plain_chosen_for_a_batch_is_not_worked_out_again_until_the_batch_changes(tiny_llama, monkeypatch) -> None:
+    """Where speculation cannot pay, the model runs once per batch composition, not every step
+    (a step that drafts nothing cannot make speculation pay better); outputs stay plain's."""
+    from specdec.spec import pipeline as pipeline_module
+
+    llm = _adaptive(tiny_llama, explore_tokens=0)
+    llm.pipeline._curves = (TargetCost.measure(lambda b, n: float(b * n), [1, 2], 5),
+                            CostCurve(lambda b: 0.3, [1, 2]))  # compute-bound: plain always wins
+    calls: list[int] = []
+    choose = pipeline_module.choose_gamma
+    monkeypatch.setattr(pipeline_module, "choose_gamma", lambda accept, *a, **k: calls.append(len(accept))
+                        or choose(accept, *a, **k))
+    prompts, sp = [[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = LLM(tiny_llama(seed=0).path, runtime=RuntimeConfig(max_batch_size=2, max_seq_len=96))
+    outs = llm.generate(prompts, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, sp)]
+    assert llm.pipeline.stats().counts.proposed == 0
+    assert calls == [2]  # both requests start together and end together: one batch, one decision
+    calls.clear()
+    llm.generate(prompts[:1], sp)
+    llm.generate(prompts[1:], sp)
+    assert calls == [1, 1]  # a new batch is worked out anew (the same request id, another request)

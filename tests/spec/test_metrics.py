@@ -376,13 +376,23 @@ def test_bench_checkpoints_in_scratch_dirs_go_when_the_process_exits() -> None:
 # -- lockstep: the runs of a pass timed at once, by turns ------------------------------------
 
 
-def _sleeper(log: list[str], name: str, steps: int, step_s: float, result: str):
-    """A stepped pass: ``steps`` steps of ``step_s`` each (sleeping), logged; returns ``result``
+class FakeTimer:
+    """Seconds that pass only when a step says so: lockstep's turns, exactly."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _stepper(timer: FakeTimer, log: list[str], name: str, steps: int, step_s: float, result: str):
+    """A stepped pass: ``steps`` steps of ``step_s`` each on ``timer``, logged; returns ``result``
     and the pass's own clock reading at its end."""
     def steps_fn(clock):
         start = clock()
         for _ in range(steps):
-            time.sleep(step_s)
+            timer.now += step_s
             log.append(name)
             yield
         return result, clock() - start
@@ -392,34 +402,32 @@ def _sleeper(log: list[str], name: str, steps: int, step_s: float, result: str):
 def test_lockstep_alternates_the_runs_and_times_each_by_its_own_turns() -> None:
     from specdec.measure import Run, lockstep
 
-    log: list[str] = []
-    whole: list[int] = []
+    timer, log, whole = FakeTimer(), [], []
+
+    def other() -> str:  # not steppable: it runs whole, before the turns
+        whole.append(len(log))
+        timer.now += 0.5
+        return "o"
+
     runs = {
-        "plain": Run(lambda: None, warmup=lambda: None, steps=_sleeper(log, "plain", 36, 0.001, "p")),
-        "spec": Run(lambda: None, warmup=lambda: None, steps=_sleeper(log, "spec", 12, 0.001, "s")),
-        "other": Run(lambda: whole.append(len(log)) or "o", warmup=lambda: None),  # not steppable
+        "plain": Run(lambda: None, warmup=lambda: None, steps=_stepper(timer, log, "plain", 36, 0.001, "p")),
+        "spec": Run(lambda: None, warmup=lambda: None, steps=_stepper(timer, log, "spec", 12, 0.001, "s")),
+        "other": Run(other, warmup=lambda: None),
     }
-    t0 = time.perf_counter()
-    t = lockstep(runs, baseline="plain", repeats=2, turn_s=0.006)
-    wall = time.perf_counter() - t0
+    t = lockstep(runs, baseline="plain", repeats=2, turn_s=0.0055, timer=timer)
     assert [o[0] for o in t.outputs["plain"]] == ["p", "p"] and [o[0] for o in t.outputs["spec"]] == ["s", "s"]
-    assert t.outputs["other"] == ["o", "o"] and whole == [0, 48]  # whole, before each pass's turns
-    first, second = log[:48], log[48:]
-    # Pass 1, equal turns (about 6 one-ms steps): plain, then spec, then plain again ...
-    runs_of = [(k, len(list(g))) for k, g in itertools.groupby(first)]
-    assert [k for k, _ in runs_of[:4]] == ["plain", "spec", "plain", "spec"]
-    assert all(3 <= n <= 7 for _, n in runs_of[:4])
-    # ... so spec is done after two turns and plain runs its last 24 steps alone.
-    assert first[-20:] == ["plain"] * 20
-    # Pass 2: each turn is turn_s x the run's last time ÷ the baseline's: spec's a third of plain's,
-    # so the two finish together.
-    assert "spec" in second[-8:] and second.count("spec") == 12
+    assert t.outputs["other"] == ["o", "o"] and whole == [0, 48] and t.times["other"] == [0.5, 0.5]
+    turns = [[(k, len(list(g))) for k, g in itertools.groupby(log[a:b])] for a, b in ((0, 48), (48, 96))]
+    # Pass 1, equal turns (6 one-ms steps: the one past 5.5 ms ends a turn): spec is done after
+    # two turns and plain runs its last 24 steps alone.
+    assert turns[0] == [("plain", 6), ("spec", 6), ("plain", 6), ("spec", 6), ("plain", 24)]
+    # Pass 2 (rotated: spec first): each turn is turn_s x the run's last time ÷ the baseline's,
+    # spec's a third of plain's (2 steps against 6), so the two finish together.
+    assert turns[1] == [("spec", 2), ("plain", 6)] * 6
     for name, n in (("plain", 36), ("spec", 12)):
-        for secs, (_, own) in zip(t.times[name], t.outputs[name]):
-            assert secs >= n * 0.001  # its own steps ...
-            assert own == pytest.approx(secs, abs=1e-3)  # ... and its clock ran only in its turns
-    assert sum(map(sum, t.times.values())) <= wall  # turns never overlap
-    assert t.ratios["plain"] == [1.0, 1.0] and t.speedup("spec") > 1.5
+        assert t.times[name] == [pytest.approx(n * 0.001)] * 2  # its own steps, not the other's turns
+        assert [own for _, own in t.outputs[name]] == t.times[name]  # its clock ran only in its turns
+    assert t.ratios["plain"] == [1.0, 1.0] and t.speedup("spec") == pytest.approx(3.0)
 
 
 def test_lockstep_needs_its_baseline_in_every_pass() -> None:
