@@ -24,8 +24,9 @@ Speedups over our plain decoding are medians of per-pass ratios. The
 sweep's ``aa_vs_plain`` times our plain decoding against itself (an A/A
 control, ``sweep_aa``): its distance from 1 is the machine's noise at that
 point, which a ``*_vs_plain`` figure must clear to say anything (on a 2-core
-AMD EPYC VM the per-pass ratio of two identical runs spread ±7-10%, and
-medians of 7 consecutive such ratios ranged 0.955-1.04). Efficiency is
+AMD EPYC VM, with whole passes one after another (``turn_ms=0``), two
+identical runs' per-pass ratios spread ±7-10% and the sweep's A/A read
+0.92-1.07; timed by turns, 0.99-1.02). Efficiency is
 speedup / analytic limit, the limit from bare forward times of
 the draft-model run's own models timed interleaved (:mod:`specdec.measure`).
 The limit is a per-step model of decoding, with no prefill in it, so
