@@ -67,8 +67,8 @@ C = TypeVar("C")
 # --------------------------------------------------------------------------------------
 # interleaved timing
 # --------------------------------------------------------------------------------------
-def timed(fn: Callable[[], T]) -> tuple[float, T]:
-    """Seconds ``fn()`` takes, and its result.
+def timed(fn: Callable[[], T], timer: Callable[[], float] = time.perf_counter) -> tuple[float, T]:
+    """Seconds ``fn()`` takes (on ``timer``), and its result.
 
     First it collects the garbage there is and moves every object alive now
     (models, compiled graphs, the libraries' own) out of the garbage
@@ -79,9 +79,9 @@ def timed(fn: Callable[[], T]) -> tuple[float, T]:
     """
     gc.collect()
     gc.freeze()
-    t = time.perf_counter()
+    t = timer()
     out = fn()
-    return time.perf_counter() - t, out
+    return timer() - t, out
 
 
 @dataclass(frozen=True)
@@ -259,11 +259,8 @@ def lockstep(
         this_pass: dict[str, float] = {}
         for k in order:
             if rs[k].steps is None:
-                gc.collect()
-                gc.freeze()
-                t0 = timer()
-                timing.outputs[k].append(rs[k].fn())
-                this_pass[k] = timer() - t0
+                this_pass[k], out = timed(rs[k].fn, timer)
+                timing.outputs[k].append(out)
         gc.collect()
         gc.freeze()
         live = {k: steps(clocks[k]) for k in order if (steps := rs[k].steps) is not None}
