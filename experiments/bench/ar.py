@@ -13,8 +13,9 @@ Figures (last line, JSON):
   same checkpoint, greedy, same prompts, keyed by batch size (median of
   per-pass ratios, interleaved passes). Goal > 1.
 - ``weight_read_bound_ms``: the least time a batch-1 decode step can take if
-  it reads every weight once from memory: bytes of the target's parameters
-  (in the run dtype) / memory read bandwidth, the bandwidth measured here
+  it reads every weight once from memory: bytes of the target's weights as a
+  step reads them (:func:`weight_bytes`: the packed copies, bfloat16 where the
+  values are bf16 ones) / memory read bandwidth, the bandwidth measured here
   (``torch.sum`` over a 512 MB fp32 tensor with the run's thread count,
   median of 7). ``bare_forward_ms``: the median bare batch-1 forward above;
   ``forward_vs_bound`` = bare forward / bound (goal <= 2.5). Weights that fit
@@ -112,8 +113,20 @@ def read_bandwidth(mb: int = 512, repeats: int = 7) -> float:
 
 
 def weight_bytes(module: torch.nn.Module) -> int:
-    """Bytes of ``module``'s parameters as the run holds them (its dtype; tied ones once)."""
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+    """Bytes of ``module``'s weights as a decode step reads them: a packed projection's packed
+    copy (bfloat16 where its values allow, :func:`specdec.core.linear.lossless_bf16`), every
+    other parameter in the run's dtype (tied ones once)."""
+    from specdec.core.linear import Linear
+
+    linears = [m for m in module.modules() if isinstance(m, Linear)]
+    # A fused layer ([q; k; v], [gate; up]) holds its weight as a buffer; its parts' weights are
+    # views of it, and the forward calls the fused layer only.
+    fused = {m.weight.untyped_storage().data_ptr() for m in linears if "weight" in m._buffers}
+    called = [m for m in linears if "weight" in m._buffers or m.weight.untyped_storage().data_ptr() not in fused]
+    total = sum(m.packed.numel() * m.packed.element_size() for m in called if m.packed is not None)
+    packed = {id(m.weight) for m in linears if m.packed is not None}
+    # Parameters no packed layer reads for them (norms, embeddings that are not a tied head).
+    return total + sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in packed)
 
 
 def hf_generate(model: Any, ids: torch.Tensor, new_tokens: int) -> list[list[int]]:

@@ -94,6 +94,14 @@ def row_kernel_serves(device: torch.device | str, dtype: torch.dtype) -> bool:
     return torch.device(device).type == "cpu" and dtype == torch.float32 and cpu_kernels_available()
 
 
+def lossless_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` as bfloat16 where that loses nothing (every value is a bfloat16: a bf16
+    checkpoint loaded as float32), else ``weight`` itself. Our kernel widens bf16 panels to
+    the exact float32 values, so the products are the same bits from half the bytes."""
+    w16 = weight.to(torch.bfloat16)
+    return w16 if torch.equal(w16.float(), weight) else weight
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` that multiplies through a packed-weight kernel once :meth:`pack` ran
     (inference only: a call that needs gradients takes ``F.linear``)."""
@@ -135,7 +143,7 @@ class Linear(nn.Linear):
         if kernel not in KERNELS:
             raise ValueError(f"Linear.pack: kernel must be one of {KERNELS}, got {kernel!r}")
         if kernel == "specdec" and row_kernel_serves(self.weight.device, self.weight.dtype):
-            self.packed = torch.ops.specdec_cpu.row_linear_pack(self.weight.detach())
+            self.packed = torch.ops.specdec_cpu.row_linear_pack(lossless_bf16(self.weight.detach()))
             self.kernel = "specdec"
             return True
         if not onednn_available(self.weight.device, self.weight.dtype):

@@ -1,6 +1,7 @@
 """``runtime.cpu_linear``: the models' projections (and norms) through packed-weight kernels.
 
-Two kernels: ``specdec`` (our own, ``specdec/core/kernels/cpu.cpp``, float32) and
+Two kernels: ``specdec`` (our own, ``specdec/core/kernels/cpu.cpp``, float32; weights
+that are all bfloat16 values packed as bfloat16) and
 ``onednn`` (oneDNN's runtime-sized kernel, float32 and bfloat16). What each must
 keep: the same values as ``F.linear`` (to float rounding), the same ``state_dict``,
 gradients where a caller needs them, and — what makes it more than a speed switch —
@@ -76,6 +77,29 @@ def test_a_packed_rows_bits_do_not_depend_on_the_rows_beside_it(kernel, dtype, n
     unfair = _linear(n_in, n_out, dtype, bias=False)
     unfair.forward = lambda x: F.linear(x, unfair.weight) + 0.5 * (x.shape[0] > 1)  # type: ignore[method-assign]
     assert not rows_independent(unfair, n_in, dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("n_in,n_out", SHAPES)
+def test_bf16_valued_weights_pack_as_bf16_and_give_the_same_bits(n_in, n_out):
+    # A bf16 checkpoint loaded as float32 (the built-in pair): every weight is a bfloat16
+    # value, so our kernel keeps half the bytes and widens them back exactly.
+    layer = _linear(n_in, n_out, torch.float32)
+    with torch.no_grad():
+        layer.weight.copy_(layer.weight.to(torch.bfloat16).float())
+    assert layer.pack("specdec") and layer.packed.dtype == torch.bfloat16
+    full = torch.ops.specdec_cpu.row_linear_pack(layer.weight.detach())  # the float32 panels
+    assert full.dtype == torch.float32 and full.numel() == layer.packed.numel()
+    x = torch.randn(13, n_in)
+    with torch.inference_mode():
+        for m in (1, 2, 5, 6, 7, 13):  # every micro-kernel height, and a tail
+            want = torch.ops.specdec_cpu.row_linear(x[:m], full, layer.bias, n_out)
+            assert torch.equal(layer(x[:m]), want)
+    assert rows_independent(layer, n_in, torch.float32)
+    # One value that is not a bfloat16: the layer keeps float32 panels (nothing is rounded).
+    with torch.no_grad():
+        layer.weight[0, 0] += 2.0**-20
+    assert layer.pack("specdec") and layer.packed.dtype == torch.float32
 
 
 @needs_kernels

@@ -1,4 +1,4 @@
-// specdec's CPU kernels (ops torch.ops.specdec_cpu.*), float32:
+// specdec's CPU kernels (ops torch.ops.specdec_cpu.*), float32 activations:
 //
 // row_linear — the models' linear layer (runtime.cpu_linear=specdec), on weights from
 // row_linear_pack;
@@ -15,7 +15,10 @@
 // bits it gets decoded alone), nor on the thread count: threads split the outputs, never K.
 //
 // Weight layout (pack): [N/P, K, P] — panels of P output columns, each panel's K rows of P
-// contiguous floats, zero-padded past N. The micro-kernel holds an R x P block of outputs in
+// contiguous values, zero-padded past N. The panels hold float32, or bfloat16 for a weight
+// whose every value is a bfloat16 (a bf16 checkpoint loaded as float32): the kernel widens
+// each one to the float32 it stands for (exact: the bf16 bits are a float32's top half), so
+// the sums are the same bits, and a decode step reads half the bytes. The micro-kernel holds an R x P block of outputs in
 // registers and, for each k, multiplies one broadcast x[m, k] into P weights per row.
 // At one row it streams the weights once (the decode step is a read of every weight);
 // at many rows each panel stays in cache while the rows pass over it.
@@ -34,8 +37,11 @@ namespace {
 
 typedef float v16 __attribute__((vector_size(64)));  // 16 floats: one zmm, or two ymm
 
+typedef uint32_t u16x __attribute__((vector_size(64)));  // 16 x 32 bits: two bfloat16 each
+
 inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+inline v16 bits(u16x u) { v16 v; std::memcpy(&v, &u, sizeof v); return v; }
 
 #ifdef __AVX512F__
 constexpr int C = 4, RB = 6;  // 6 x 4 accumulators + 4 weights + 1 broadcast: 29 of 32 zmm
@@ -44,9 +50,25 @@ constexpr int C = 2, RB = 3;  // AVX2: 3 x 2 x 2 accumulators + 4 weights: 16 ym
 #endif
 constexpr int P = 16 * C;  // panel width: output columns per panel
 
+// One k's P weights of a panel, as C vectors of 16 floats (columns 16c .. 16c + 15).
+inline void weights(const float* wk, v16 (&wv)[C]) {
+  for (int c = 0; c < C; ++c) wv[c] = load16(wk + 16 * c);
+}
+// bfloat16 panels pair their columns: 32-bit word j of 32 columns' block holds column j in its
+// low half and column 16 + j in its high half (pack's order). A bfloat16 is a float32's top
+// half, so a shift and a mask give the two vectors of floats exactly, with no shuffles.
+inline void weights(const at::BFloat16* wk, v16 (&wv)[C]) {
+  for (int c = 0; c < C; c += 2) {
+    u16x u;
+    std::memcpy(&u, wk + 16 * c, sizeof u);
+    wv[c] = bits(u << 16);
+    wv[c + 1] = bits(u & 0xFFFF0000u);
+  }
+}
+
 // y[r, 0:P] = b[0:P] + sum_k x[r, k] * wp[k, 0:P] for r < R, k in order.
-template <int R>
-inline void block(const float* x, int64_t K, const float* wp, const float* b, float* y, int64_t ldy) {
+template <int R, typename W>
+inline void block(const float* x, int64_t K, const W* wp, const float* b, float* y, int64_t ldy) {
   v16 acc[R][C];
   for (int c = 0; c < C; ++c) {
     const v16 bv = b ? load16(b + 16 * c) : v16{};
@@ -54,7 +76,7 @@ inline void block(const float* x, int64_t K, const float* wp, const float* b, fl
   }
   for (int64_t k = 0; k < K; ++k) {
     v16 wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = load16(wp + k * P + 16 * c);
+    weights(wp + k * P, wv);
     for (int r = 0; r < R; ++r) {
       const float xs = x[r * K + k];
       for (int c = 0; c < C; ++c) acc[r][c] += xs * wv[c];  // one FMA (-ffp-contract=fast)
@@ -65,41 +87,28 @@ inline void block(const float* x, int64_t K, const float* wp, const float* b, fl
 }
 
 at::Tensor pack(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
-              "specdec::row_linear_pack: want a float32 CPU weight [out, in], got ", w.sizes(), " ", w.scalar_type());
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16) && w.device().is_cpu(),
+              "specdec::row_linear_pack: want a float32 or bfloat16 CPU weight [out, in], got ", w.sizes(), " ",
+              w.scalar_type());
   const int64_t N = w.size(0), K = w.size(1), np = (N + P - 1) / P;
   at::Tensor padded = at::zeros({np * P, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
-  return padded.view({np, P, K}).transpose(1, 2).contiguous();
+  at::Tensor panels = padded.view({np, P, K}).transpose(1, 2);  // [np, K, P]
+  if (w.scalar_type() == at::kBFloat16)  // pair column j with column 16 + j in each block of 32
+    panels = panels.reshape({np, K, P / 32, 2, 16}).transpose(3, 4).reshape({np, K, P});
+  return panels.contiguous();
 }
 
-at::Tensor row_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                      int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "specdec::row_linear: want float32 CPU x [rows, in], got ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == P && packed.size(1) == x.size(1) && packed.is_contiguous() &&
-                  out_features <= packed.size(0) * P,
-              "specdec::row_linear: packed weight ", packed.sizes(), " does not serve x ", x.sizes());
-  const at::Tensor xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), np = packed.size(0), Np = np * P, N = out_features;
-  at::Tensor y = at::empty({M, Np}, xc.options());
-  at::Tensor bpad;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "specdec::row_linear: bias has ", bias->numel(), " values for ", N, " outputs");
-    bpad = at::zeros({Np}, xc.options());
-    bpad.narrow(0, 0, N).copy_(*bias);
-    bp = bpad.const_data_ptr<float>();
-  }
-  const float* xp = xc.const_data_ptr<float>();
-  const float* wp = packed.const_data_ptr<float>();
-  float* yp = y.mutable_data_ptr<float>();
+// y[0:M, 0:np*P] from panels wp (ldy = np * P), threads over panels.
+template <typename W>
+void run_panels(const float* xp, const W* wp, const float* bp, float* yp, int64_t M, int64_t K, int64_t np) {
+  const int64_t Np = np * P;
   // Threads take whole panels, at least 2^17 multiply-adds each: a one-row 256 x 256 layer
   // runs on one thread (a fork costs more than it saves), the vocabulary head on all.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(1, M * K * P));
   at::parallel_for(0, np, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t p = lo; p < hi; ++p) {
-      const float* wq = wp + p * K * P;
+      const W* wq = wp + p * K * P;
       const float* bq = bp ? bp + p * P : nullptr;
       float* yq = yp + p * P;
       int64_t m = 0;
@@ -114,6 +123,33 @@ at::Tensor row_linear(const at::Tensor& x, const at::Tensor& packed, const std::
       }
     }
   });
+}
+
+at::Tensor row_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                      int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "specdec::row_linear: want float32 CPU x [rows, in], got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(packed.dim() == 3 && (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16) &&
+                  packed.size(2) == P && packed.size(1) == x.size(1) && packed.is_contiguous() &&
+                  out_features <= packed.size(0) * P,
+              "specdec::row_linear: packed weight ", packed.sizes(), " does not serve x ", x.sizes());
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), np = packed.size(0), Np = np * P, N = out_features;
+  at::Tensor y = at::empty({M, Np}, xc.options());
+  at::Tensor bpad;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "specdec::row_linear: bias has ", bias->numel(), " values for ", N, " outputs");
+    bpad = at::zeros({Np}, xc.options());
+    bpad.narrow(0, 0, N).copy_(*bias);
+    bp = bpad.const_data_ptr<float>();
+  }
+  const float* xp = xc.const_data_ptr<float>();
+  float* yp = y.mutable_data_ptr<float>();
+  if (packed.scalar_type() == at::kBFloat16)
+    run_panels(xp, packed.const_data_ptr<at::BFloat16>(), bp, yp, M, K, np);
+  else
+    run_panels(xp, packed.const_data_ptr<float>(), bp, yp, M, K, np);
   return Np == N ? y : y.narrow(1, 0, N).contiguous();
 }
 
