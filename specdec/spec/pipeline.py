@@ -597,8 +597,11 @@ class SpecDecodePipelineModel:
             # each step's forwards together): all take rank 0's measured curves.
             from specdec.dist.group import current
 
-            tt.one.times, tt.most.times, td.times, tc.times, full_times = current().broadcast_object(
-                (tt.one.times, tt.most.times, td.times, tc.times, fc and fc.times))
+            curves = tt.curves
+            times, td.times, tc.times, full_times = current().broadcast_object(
+                ([c.times for c in curves], td.times, tc.times, fc and fc.times))
+            for c, ts in zip(curves, times):
+                c.times = ts
             if fc is not None:
                 fc.times = full_times
             self._curves = (tt, td)

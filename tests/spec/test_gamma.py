@@ -30,18 +30,28 @@ def test_cost_curve_interpolates_and_is_monotone() -> None:
     assert c(16) == pytest.approx(2.5)  # flat last segment extrapolated
 
 
-def test_target_cost_is_measured_per_batch_and_linear_in_tokens_per_request() -> None:
+def test_target_cost_is_measured_per_batch_and_linear_in_tokens_per_request_from_two_on() -> None:
     seen = []
 
     def measure(b: int, n: int) -> float:
         seen.append((b, n))
-        return b * (1.0 + 0.5 * (n - 1))  # B requests of n tokens
+        # B requests of n tokens; from 2 tokens a request's rows attend under a mask: + 1.0
+        return b * (1.0 + 0.5 * (n - 1)) + (1.0 if n > 1 else 0.0)
 
     t = TargetCost.measure(measure, [1, 4], 5)
-    assert sorted(seen) == [(1, 1), (1, 5), (4, 1), (4, 5)]
-    assert t(1, 1) == 1.0 and t(4, 5) == 12.0
-    assert t(4, 3) == pytest.approx(8.0)  # halfway between n = 1 (4.0) and n = 5 (12.0)
+    assert sorted(seen) == [(1, 1), (1, 2), (1, 5), (4, 1), (4, 2), (4, 5)]
+    assert t(1, 1) == 1.0 and t(4, 5) == 13.0
+    assert t(4, 2) == pytest.approx(7.0)  # measured: a line from n = 1 (4.0) to 5 would say 6.25
+    assert t(4, 3) == pytest.approx(9.0)  # a third of the way from n = 2 (7.0) to n = 5 (13.0)
     assert t(2, 1) == pytest.approx(2.0)  # interpolated over B
+    # γ = 1 (n = 2) pays that step: at acceptance 0.6 (1.6 tokens a request) it loses to plain,
+    # where the line from n = 1 to 5 would have drafted.
+    assert choose_gamma([0.6] * 4, 1, t, lambda b: 0.0) == 0
+    line = lambda b, n: t(b, 1) + (t(b, 5) - t(b, 1)) * (n - 1) / 4  # noqa: E731
+    assert choose_gamma([0.6] * 4, 1, line, lambda b: 0.0) == 1
+    # Two points only (γ = 1): n = 2 is the last one.
+    t2 = TargetCost.measure(measure, [1, 4], 2)
+    assert t2(4, 2) == pytest.approx(7.0) and t2(4, 1) == 4.0
 
 
 def test_choose_gamma() -> None:
