@@ -411,8 +411,8 @@ class SpecDecodePipelineModel:
         self._curves: tuple[TargetCost, CostCurve] | None = None
         self._catch_up: CostCurve | None = None  # seconds for the drafter to read n unseen tokens
         self._full_gamma: tuple[int, CostCurve] | None = None  # (method γ, T_draft(B) there) when it differs
-        # The batch adaptive γ last ran plain, the drafter's counts then, the γ cap: _policy_gamma.
-        self._plain_for: tuple[list[TextContext], tuple[int, ...], int] | None = None
+        # The batch adaptive γ last ran plain and the drafter's counts then: _still_plain.
+        self._plain_for: tuple[list[TextContext], tuple[int, ...]] | None = None
         self._greedy: dict[int, SamplingTensors] = {}  # all-greedy sampling tensors per batch size
         if config.gamma_policy.adaptive:  # calibrate now, while the KV cache is empty
             self._cost_curves()
@@ -557,14 +557,17 @@ class SpecDecodePipelineModel:
 
     @torch.inference_mode()
     def step(self, batch: list[TextContext], num_new: list[int]) -> list[list[int] | RequestFailure]:
+        unprocessed = [self.unprocessed(c) for c in batch]
+        if unprocessed == num_new:  # (the usual step: no partial prefill chunk)
+            return self._spec_step(batch, [], unprocessed)
         result: dict[int, list[int] | RequestFailure] = {}
         # Partial prefill chunks: the target sees them, nothing is emitted.
-        chunks = [(c, n) for c, n in zip(batch, num_new) if n != self.unprocessed(c)]
-        spec = [c for c, n in zip(batch, num_new) if n == self.unprocessed(c)]
+        chunks = [(c, n) for c, n, u in zip(batch, num_new, unprocessed) if n != u]
+        spec = [(c, u) for c, n, u in zip(batch, num_new, unprocessed) if n == u]
         for c, _ in chunks:
             result[id(c)] = []
         if spec:
-            for c, toks in zip(spec, self._spec_step(spec, chunks)):
+            for (c, _), toks in zip(spec, self._spec_step([c for c, _ in spec], chunks, [u for _, u in spec])):
                 result[id(c)] = toks
         elif chunks:
             self._prefill_chunks(chunks)
@@ -612,14 +615,7 @@ class SpecDecodePipelineModel:
     def _policy_gamma(self, batch: list[TextContext], gammas: list[int]) -> int:
         pol = self.config.gamma_policy
         seen = tuple(self._drafter_running)
-        # Plain decoding chosen for this very batch stays chosen until it changes: a step that
-        # drafts nothing changes no acceptance, and its tokens only add to what a drafter has
-        # not read (a larger catch-up) over fewer remaining tokens; a smaller γ cap (requests
-        # near their end) only takes choices away. So skip the model then (at batch 16-64 it
-        # cost about 1% of a compiled step).
-        last = self._plain_for
-        if (last is not None and last[1] == seen and max(gammas) <= last[2] and len(last[0]) == len(batch)
-                and all(a is b for a, b in zip(last[0], batch))):  # (the same requests, not just their ids)
+        if self._still_plain(batch):
             return 0
         accept = [pol.acceptance(tuple(self._running.get(c.request_id, (0, 0))), seen) for c in batch]
         tt, td = self._cost_curves()
@@ -633,10 +629,22 @@ class SpecDecodePipelineModel:
         g = choose_gamma(accept, max(gammas), tt, td, pol.min_gain, catch_up_s=catch_up, remaining_tokens=remaining,
                          fused=self._full_gamma)
         g = pol.explore(g, max(gammas), seen[1])
-        self._plain_for = (list(batch), seen, max(gammas)) if g == 0 else None
+        self._plain_for = (list(batch), seen) if g == 0 else None
         return g
 
-    def _plain_step(self, batch: list[TextContext], chunks: list[tuple[TextContext, int]],
+    def _still_plain(self, batch: list[TextContext]) -> bool:
+        """Whether adaptive γ chose plain decoding for this very batch (the same request
+        objects, not just their ids) and nothing it read has changed since: a step that
+        drafts nothing changes no acceptance, and its tokens only add to what a drafter
+        has not read (a larger catch-up) over fewer remaining tokens; each request's γ cap
+        (:meth:`gamma_for`) only shrinks, which only takes choices away. So the model is
+        skipped then (at batch 16-64 it cost about 1% of a compiled step), and so are the
+        per-request caps."""
+        last = self._plain_for
+        return (last is not None and last[1] == tuple(self._drafter_running) and len(last[0]) == len(batch)
+                and all(a is b for a, b in zip(last[0], batch)))
+
+    def _plain_step(self, batch: list[TextContext], chunks: list[tuple[TextContext, int]], unprocessed: list[int],
                     t: float) -> list[list[int] | RequestFailure]:
         """A step that drafts nothing is a step of plain decoding (:class:`PlainGeneration`:
         the same forward, sampling and checks, none of the verification's bookkeeping), the
@@ -644,7 +652,7 @@ class SpecDecodePipelineModel:
         off this way where it cannot pay (large batches), so there it costs what plain
         decoding costs. Its time is the step's ``target_forward``."""
         fed = batch + [c for c, _ in chunks]
-        out = self.plain.step(fed, [self.unprocessed(c) for c in batch] + [n for _, n in chunks])[: len(batch)]
+        out = self.plain.step(fed, unprocessed + [n for _, n in chunks])[: len(batch)]
         self.num_target_forwards += 1
         for c, toks in zip(batch, out):
             if not isinstance(toks, RequestFailure):
@@ -659,15 +667,19 @@ class SpecDecodePipelineModel:
             counts = self.counts[ctx.request_id] = SpecCounts()
         return counts
 
-    def _spec_step(self, batch: list[TextContext],
-                   chunks: list[tuple[TextContext, int]]) -> list[list[int] | RequestFailure]:
-        """One draft-and-verify step for ``batch``; runs the prefill ``chunks`` too
-        (in the same target forward when nothing is drafted, as plain decoding would)."""
+    def _spec_step(self, batch: list[TextContext], chunks: list[tuple[TextContext, int]],
+                   unprocessed: list[int]) -> list[list[int] | RequestFailure]:
+        """One draft-and-verify step for ``batch`` (``unprocessed``: each request's tokens the
+        target has not seen); runs the prefill ``chunks`` too (in the same target forward
+        when nothing is drafted, as plain decoding would)."""
         times = self.module.times
         t = time.perf_counter()
         # A step with prompt rows (first steps, chunks) is timed as prefill, whole.
-        times.prefilling = bool(chunks) or any(self.unprocessed(c) > 1 for c in batch)
+        times.prefilling = bool(chunks) or max(unprocessed) > 1
         self.num_spec_steps += not times.prefilling
+        if (not chunks and self.config.gamma_policy.adaptive and not self.proposer.drafts_after_verify
+                and self._still_plain(batch)):
+            return self._plain_step(batch, chunks, unprocessed, times.lap("draft_prepare", t))
         gammas = [self.gamma_for(c) for c in batch]
         if self.config.gamma_policy.adaptive and max(gammas) > 0:
             g = self._policy_gamma(batch, gammas)
@@ -687,14 +699,14 @@ class SpecDecodePipelineModel:
                 draft = draft if gamma else None
         t = times.lap("draft_prepare", t)
         if gamma == 0 and not after:
-            return self._plain_step(batch, chunks, t)
+            return self._plain_step(batch, chunks, unprocessed, t)
         fed, num_tokens = batch, None
         # One forward for all when nothing is drafted, or when the drafter drafts
         # after verification (it catches up on the chunks' rows too): the chunks'
         # rows are verified and dropped.
         if chunks and (gamma == 0 or after):
             fed = batch + [c for c, _ in chunks]
-            num_tokens = [self.unprocessed(c) for c in batch] + [n for _, n in chunks]
+            num_tokens = unprocessed + [n for _, n in chunks]
             lens = lens + [c.processed(self.target.cache_name) + n for c, n in chunks]
         elif chunks:
             self._prefill_chunks(chunks)
