@@ -18,7 +18,8 @@
 // contiguous values, zero-padded past N. The panels hold float32, or bfloat16 for a weight
 // whose every value is a bfloat16 (a bf16 checkpoint loaded as float32): the kernel widens
 // each one to the float32 it stands for (exact: the bf16 bits are a float32's top half), so
-// the sums are the same bits, and a decode step reads half the bytes. The micro-kernel holds an R x P block of outputs in
+// the sums are the same bits, and a decode step reads half the bytes.
+// The micro-kernel holds an R x P block of outputs in
 // registers and, for each k, multiplies one broadcast x[m, k] into P weights per row.
 // At one row it streams the weights once (the decode step is a read of every weight);
 // at many rows each panel stays in cache while the rows pass over it.
