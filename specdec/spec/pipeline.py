@@ -586,8 +586,9 @@ class SpecDecodePipelineModel:
             g = self.config.num_speculative_tokens
             bpts = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < rt.max_batch_size] + [rt.max_batch_size]
             ctx = min(128, rt.max_seq_len - 1)
-            tt = TargetCost.measure(lambda b, n: forward_time(self.target, n, max(ctx, n), repeats=7, stat="min",
-                                                              requests=b), bpts, g + 1)
+            # By turns (TargetCost.measure): 4 rounds of (1 untimed, 2 timed) forwards per n.
+            tt = TargetCost.measure(lambda b, n: forward_time(self.target, n, max(ctx, n), repeats=2, stat="min",
+                                                              requests=b, warmup=1), bpts, g + 1, rounds=4)
             td = CostCurve(lambda b: self.proposer.draft_cost(b, ctx), bpts)
             # A compiled drafter's full γ runs its steps as one graph: per draft, that
             # cost / γ, cheaper than T_draft(B) (gamma.choose_gamma).

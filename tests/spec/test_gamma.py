@@ -54,6 +54,24 @@ def test_target_cost_is_measured_per_batch_and_linear_in_tokens_per_request_from
     assert t2(4, 2) == pytest.approx(7.0) and t2(4, 1) == 4.0
 
 
+def test_target_cost_is_timed_by_turns_so_a_slow_spell_does_not_skew_its_ratios() -> None:
+    true = {1: 1.0, 2: 1.6, 5: 2.0}  # T(1, n): the ratios adaptive γ decides on
+    calls: list[int] = []
+
+    def measure(b: int, n: int) -> float:
+        calls.append(n)
+        slow = 2 <= len(calls) <= 4  # a spell of three calls at half speed
+        return true[n] * (2.0 if slow else 1.0)
+
+    t = TargetCost.measure(measure, [1], 5, rounds=2)
+    assert calls == [1, 2, 5, 1, 2, 5]  # one call per n in each round
+    assert [t(1, n) for n in (1, 2, 5)] == [1.0, 1.6, 2.0]
+    # One round: the spell falls on n = 2 and 5 alone, and γ = 1 looks twice as dear as it is.
+    calls.clear()
+    one = TargetCost.measure(measure, [1], 5, rounds=1)
+    assert [one(1, n) for n in (1, 2, 5)] == [1.0, 3.2, 4.0]
+
+
 def test_choose_gamma() -> None:
     flat = lambda b, n: 1.0  # noqa: E731  memory-bound target: extra tokens are free
     linear = lambda b, n: float(b * n)  # noqa: E731  compute-bound target: cost grows with tokens
