@@ -114,8 +114,10 @@ class CompareConfig:
     sweep_compile: bool | None = None  # None: as `compile` (quick: false, compiling its batch shapes takes ~25 s)
     # Timed passes per sweep point. The headline is the *lowest* of 8 ratios,
     # so each must be steady: a 2-3% wobble per ratio would pull it down. (16 requests x 5
-    # passes gave per-point ratios that moved by 5% between runs: 32 x 7 now.)
-    sweep_repeats: int = 7
+    # passes gave per-point ratios that moved by 5% between runs. 32 x 7 passes still left a
+    # pass's ratio 2.5% from its mean (A/A, batch 16: 0.969-1.023), so a point's median within
+    # about 1.2% and the least of 8 such about 1.7% below the truth: 32 x 11 now, about 1.3%.)
+    sweep_repeats: int = 11
     # If set, a point whose passes already time this many tokens in fewer
     # passes runs only those (at least 2): quick spends its time on the small,
     # noisy points, not on batch 64.
