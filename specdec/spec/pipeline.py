@@ -804,10 +804,7 @@ class SpecDecodePipelineModel:
             if after:
                 self._ready[c.request_id] = self.config.num_speculative_tokens
         times.lap("commit", t)
-        if not times.prefilling and self._curves is not None:
-            # (A step that compiled a graph, seconds long, is left out: not host work a step repeats.)
-            host = _host_seconds(times) - host
-            if host < 20 * self._curves[0](len(batch), gamma + 1):
-                self._host.add(len(batch), host)
+        if not times.prefilling and self.config.gamma_policy.adaptive:
+            self._host.add(len(batch), _host_seconds(times) - host)
         times.prefilling = False
         return new
