@@ -5,7 +5,6 @@ expected tokens per second for the batch at hand:
 
     E[tokens](γ) = Σ_r (1 - a_r^(γ+1)) / (1 - a_r)      # a_r: request r's running acceptance
     cost(γ)      = T_target(B, γ+1) + γ · T_draft(B)    # measured bare forward times
-                   + H(B)                               # host work of a drafting step, as run
 
 ``T_target(B, n)`` is a forward of ``B`` requests feeding ``n`` tokens each (measured at
 ``n`` = 1, 2 and γ + 1: a step from 1 to 2, then about linear, :class:`TargetCost`) and
@@ -157,35 +156,6 @@ class TargetCost:
         return two + (most - two) * (n - 2) / (self.max_n - 2)
 
 
-class HostCost:
-    """Seconds of host work a drafting step adds over a plain one, by batch size: a line
-    fitted (least squares) to the drafting steps seen, flat while one batch size has been
-    seen, 0 before any. Measured as the steps run (the pipeline's own timers: drafting's
-    preparation, verification, the sync and the commit), because the bare forward times
-    leave it out: on the built-in pair, compiled, it is about 0.45 ms a step at batch 1
-    (0.12 preparing n-gram drafts, 0.26 verifying, 0.04 committing) beside a 1.3 ms
-    one-token forward, and without it the model had the n-gram draft at batch 4 and 16,
-    where its γ = 1 steps took 1.5x a plain step's time."""
-
-    def __init__(self) -> None:
-        self._sums = [0.0] * 5  # n, Σb, Σb², Σs, Σb·s
-
-    def add(self, batch_size: int, seconds: float) -> None:
-        b = float(batch_size)
-        for i, v in enumerate((1.0, b, b * b, seconds, b * seconds)):
-            self._sums[i] += v
-
-    def __call__(self, batch_size: int) -> float:
-        n, sb, sbb, ss, sbs = self._sums
-        if n == 0:
-            return 0.0
-        mb, ms = sb / n, ss / n
-        var = sbb / n - mb * mb
-        if var < 1e-9:  # one batch size so far
-            return ms
-        return max(0.0, ms + (sbs / n - mb * ms) / var * (batch_size - mb))
-
-
 def expected_tokens(accept: Sequence[float], gamma: int) -> float:
     """Σ_r E[tokens emitted by request r in one step] with γ drafts (accepted + 1)."""
     total = 0.0
@@ -205,7 +175,6 @@ def choose_gamma(
     catch_up_s: float = 0.0,
     remaining_tokens: float = float("inf"),
     fused: tuple[int, Callable[[int], float]] | None = None,
-    host_s: float = 0.0,
 ) -> int:
     """The γ in 0 … ``max_gamma`` with the most expected tokens per second;
     0 (plain decoding) unless the best γ beats it by ``min_gain``.
@@ -219,14 +188,13 @@ def choose_gamma(
     20 ms catch-up: 32 / (20 + 16) = 0.89 tokens/ms, so plain wins.
 
     ``fused = (G, t)``: at γ = G a draft costs ``t(B)`` instead of ``t_draft(B)``
-    (a compiled drafter runs the method's full γ as one graph, cheaper per draft).
-    ``host_s``: seconds of host work a drafting step adds (:class:`HostCost`)."""
+    (a compiled drafter runs the method's full γ as one graph, cheaper per draft)."""
     b = len(accept)
     plain = b / t_target(b, 1)
     best, best_rate = 0, plain
     for g in range(1, max_gamma + 1):
         per_draft = fused[1](b) if fused is not None and g == fused[0] else t_draft(b)
-        rate = expected_tokens(accept, g) / (t_target(b, g + 1) + g * per_draft + host_s)
+        rate = expected_tokens(accept, g) / (t_target(b, g + 1) + g * per_draft)
         if catch_up_s > 0:
             rate = remaining_tokens / (catch_up_s + remaining_tokens / rate)
         if rate > best_rate:

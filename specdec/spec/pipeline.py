@@ -43,7 +43,7 @@ from specdec.core.pipeline_model import DecoderPipelineModel, PlainGeneration, c
 from specdec.core.state_store import RequestStateStore, StateSpec
 from specdec.sampling import SamplingTensors, finite_rows, probs_from_logits
 from specdec.spec.forward_time import forward_time
-from specdec.spec.gamma import CostCurve, GammaPolicyConfig, HostCost, TargetCost, choose_gamma
+from specdec.spec.gamma import CostCurve, GammaPolicyConfig, TargetCost, choose_gamma
 from specdec.spec.metrics import PhaseTimes, RunStats, SpecCounts
 from specdec.spec.proposers.base import DraftBatch, Drafter, DraftTree, Proposer, TargetStep
 from specdec.spec.tree import (
@@ -121,13 +121,6 @@ def _verify_sampled_chain(logits: torch.Tensor, draft_tokens: torch.Tensor, draf
                               target_probs=probs_from_logits(logits, sampling), num_draft=num_draft,
                               seeds=sampling.seeds, positions=positions)
     return out, acc, _fault(logits, draft_probs, acc, num_draft)
-
-
-def _host_seconds(times: PhaseTimes) -> float:
-    """The host phases' seconds so far: what a drafting step adds over a plain step's
-    forward and packing (adaptive γ's :class:`HostCost`)."""
-    s = times.seconds
-    return s["draft_prepare"] + s["verify"] + s["sync"] + s["commit"]
 
 
 def _verify_greedy_chain(logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -430,7 +423,6 @@ class SpecDecodePipelineModel:
         self._full_gamma: tuple[int, CostCurve] | None = None  # (method γ, T_draft(B) there) when it differs
         # The batch adaptive γ last ran plain and the drafter's counts then: _still_plain.
         self._plain_for: tuple[list[TextContext], tuple[int, ...]] | None = None
-        self._host = HostCost()  # adaptive γ's H(B): what a drafting step's host work took
         self._greedy: dict[int, SamplingTensors] = {}  # all-greedy sampling tensors per batch size
         if config.gamma_policy.adaptive:  # calibrate now, while the KV cache is empty
             self._cost_curves()
@@ -646,7 +638,7 @@ class SpecDecodePipelineModel:
             catch_up = self._catch_up(extra) if extra else 0.0
         remaining = sum(max(1, c.sampling.max_new_tokens - c.num_generated) for c in batch)
         g = choose_gamma(accept, max(gammas), tt, td, pol.min_gain, catch_up_s=catch_up, remaining_tokens=remaining,
-                         fused=self._full_gamma, host_s=self._host(len(batch)))
+                         fused=self._full_gamma)
         g = pol.explore(g, max(gammas), seen[1])
         self._plain_for = (list(batch), seen) if g == 0 else None
         return g
@@ -692,7 +684,6 @@ class SpecDecodePipelineModel:
         target has not seen); runs the prefill ``chunks`` too (in the same target forward
         when nothing is drafted, as plain decoding would)."""
         times = self.module.times
-        host = _host_seconds(times)
         t = time.perf_counter()
         # A step with prompt rows (first steps, chunks) is timed as prefill, whole.
         times.prefilling = bool(chunks) or max(unprocessed) > 1
@@ -804,7 +795,5 @@ class SpecDecodePipelineModel:
             if after:
                 self._ready[c.request_id] = self.config.num_speculative_tokens
         times.lap("commit", t)
-        if not times.prefilling and self.config.gamma_policy.adaptive:
-            self._host.add(len(batch), _host_seconds(times) - host)
         times.prefilling = False
         return new

@@ -9,7 +9,7 @@ import pytest
 from specdec.api import LLM
 from specdec.core.context import SamplingParams, TextContext
 from specdec.core.pipeline_model import RuntimeConfig
-from specdec.spec.gamma import CostCurve, HostCost, TargetCost, choose_gamma, expected_tokens
+from specdec.spec.gamma import CostCurve, TargetCost, choose_gamma, expected_tokens
 from specdec.spec.proposers.draft_model import DraftModelConfig
 from specdec.spec.proposers.ngram import NgramConfig
 
@@ -70,23 +70,6 @@ def test_target_cost_is_timed_by_turns_so_a_slow_spell_does_not_skew_its_ratios(
     calls.clear()
     one = TargetCost.measure(measure, [1], 5, rounds=1)
     assert [one(1, n) for n in (1, 2, 5)] == [1.0, 3.2, 4.0]
-
-
-def test_host_cost_is_fitted_to_the_drafting_steps_seen_and_charged_to_drafting() -> None:
-    h = HostCost()
-    assert h(4) == 0.0  # nothing seen: the bare forwards alone
-    h.add(1, 0.4e-3)
-    h.add(1, 0.6e-3)
-    assert h(1) == pytest.approx(0.5e-3) and h(16) == pytest.approx(0.5e-3)  # one batch size: flat
-    h.add(9, 1.3e-3)
-    h.add(9, 1.3e-3)  # + 0.1 ms a request
-    assert h(5) == pytest.approx(0.9e-3) and h(17) == pytest.approx(2.1e-3)
-    # At batch 4, a target 1.4x dearer for a second token: acceptance 0.6 pays (1.6 tokens for
-    # 1.4) on the bare forwards, and stops paying once a drafting step's host work is counted.
-    t = TargetCost(CostCurve(lambda b: 2.1e-3, [4]), CostCurve(lambda b: 2.94e-3, [4]),
-                   CostCurve(lambda b: 4.4e-3, [4]), 5)
-    assert choose_gamma([0.6] * 4, 1, t, lambda b: 0.0, 0.05) == 1
-    assert choose_gamma([0.6] * 4, 1, t, lambda b: 0.0, 0.05, host_s=0.5e-3) == 0
 
 
 def test_choose_gamma() -> None:
