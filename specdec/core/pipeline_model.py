@@ -342,6 +342,8 @@ def compile_decoder(module: nn.Module) -> None:
     (5 tokens: 3.07 instead of 3.74) for about 1.7x the compile time."""
     import torch._dynamo
 
+    # A graph per shape kind (decode, verify, prefill; one request or many; ...): past the
+    # default limit of 8, later shapes would silently run eager.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     register_compiled_lowering()
     on_cpu = all(p.device.type == "cpu" for p in module.parameters())

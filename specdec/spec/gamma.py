@@ -127,8 +127,8 @@ class TargetCost:
         half within a minute (the built-in target's bare T(1, 1), least of 15, read 1.46 ms and
         2.32 ms a few seconds apart, 0.89 ms later). Timed one curve after another, a slow spell
         over one curve skewed the ratios: T(1, 5) / T(1, 1) read 1.43 in one pipeline and 2.2 in
-        the next, built a minute apart (0.9 / 1.7 bare). By turns, a spell that covers fewer
-        than ``rounds`` calls leaves each ``n`` a call outside it."""
+        the next, built a minute apart. By turns, a spell that covers fewer than ``rounds``
+        calls leaves each ``n`` a call outside it."""
         ns = sorted({1, min(2, max_n), max_n})
         least: dict[tuple[int, int], float] = {}
         for b in sorted(set(batch_points)):
