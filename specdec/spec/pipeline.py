@@ -43,7 +43,7 @@ from specdec.core.pipeline_model import DecoderPipelineModel, PlainGeneration, c
 from specdec.core.state_store import RequestStateStore, StateSpec
 from specdec.sampling import SamplingTensors, finite_rows, probs_from_logits
 from specdec.spec.forward_time import forward_time
-from specdec.spec.gamma import CostCurve, GammaPolicyConfig, TargetCost, choose_gamma
+from specdec.spec.gamma import CostCurve, GammaPolicyConfig, StepTimes, TargetCost, choose_gamma
 from specdec.spec.metrics import PhaseTimes, RunStats, SpecCounts
 from specdec.spec.proposers.base import DraftBatch, Drafter, DraftTree, Proposer, TargetStep
 from specdec.spec.tree import (
@@ -423,6 +423,12 @@ class SpecDecodePipelineModel:
         self._full_gamma: tuple[int, CostCurve] | None = None  # (method γ, T_draft(B) there) when it differs
         # The batch adaptive γ last ran plain and the drafter's counts then: _still_plain.
         self._plain_for: tuple[list[TextContext], tuple[int, ...]] | None = None
+        # Decode steps' measured times by (batch size, γ chosen), for adaptive γ (gamma.StepTimes).
+        # Not under torchrun: each rank would measure its own and could choose another γ.
+        from specdec.dist.group import current
+
+        self.step_times = StepTimes() if config.gamma_policy.adaptive and not current().distributed else None
+        self._step_gamma = 0  # the γ adaptive γ chose for the step under way
         self._greedy: dict[int, SamplingTensors] = {}  # all-greedy sampling tensors per batch size
         if config.gamma_policy.adaptive:  # calibrate now, while the KV cache is empty
             self._cost_curves()
@@ -569,7 +575,12 @@ class SpecDecodePipelineModel:
     def step(self, batch: list[TextContext], num_new: list[int]) -> list[list[int] | RequestFailure]:
         unprocessed = [self.unprocessed(c) for c in batch]
         if unprocessed == num_new:  # (the usual step: no partial prefill chunk)
-            return self._spec_step(batch, [], unprocessed)
+            if self.step_times is None or max(unprocessed) > 1:
+                return self._spec_step(batch, [], unprocessed)
+            t = time.perf_counter()  # a decode step: measured for adaptive γ, whole
+            out = self._spec_step(batch, [], unprocessed)
+            self.step_times.record(len(batch), self._step_gamma, time.perf_counter() - t)
+            return out
         result: dict[int, list[int] | RequestFailure] = {}
         # Partial prefill chunks: the target sees them, nothing is emitted.
         chunks = [(c, n) for c, n, u in zip(batch, num_new, unprocessed) if n != u]
@@ -638,7 +649,7 @@ class SpecDecodePipelineModel:
             catch_up = self._catch_up(extra) if extra else 0.0
         remaining = sum(max(1, c.sampling.max_new_tokens - c.num_generated) for c in batch)
         g = choose_gamma(accept, max(gammas), tt, td, pol.min_gain, catch_up_s=catch_up, remaining_tokens=remaining,
-                         fused=self._full_gamma)
+                         fused=self._full_gamma, measured=self.step_times.ratio if self.step_times else None)
         g = pol.explore(g, max(gammas), seen[1])
         self._plain_for = (list(batch), seen) if g == 0 else None
         return g
@@ -688,12 +699,13 @@ class SpecDecodePipelineModel:
         # A step with prompt rows (first steps, chunks) is timed as prefill, whole.
         times.prefilling = bool(chunks) or max(unprocessed) > 1
         self.num_spec_steps += not times.prefilling
+        self._step_gamma = 0
         if (not chunks and self.config.gamma_policy.adaptive and not self.proposer.drafts_after_verify
                 and self._still_plain(batch)):
             return self._plain_step(batch, chunks, unprocessed, times.lap("draft_prepare", t))
         gammas = [self.gamma_for(c) for c in batch]
         if self.config.gamma_policy.adaptive and max(gammas) > 0:
-            g = self._policy_gamma(batch, gammas)
+            g = self._step_gamma = self._policy_gamma(batch, gammas)
             gammas = [min(x, g) for x in gammas]
         lens = [len(c.tokens) for c in batch]
         after = self.proposer.drafts_after_verify

@@ -9,7 +9,7 @@ import pytest
 from specdec.api import LLM
 from specdec.core.context import SamplingParams, TextContext
 from specdec.core.pipeline_model import RuntimeConfig
-from specdec.spec.gamma import CostCurve, TargetCost, choose_gamma, expected_tokens
+from specdec.spec.gamma import CostCurve, StepTimes, TargetCost, choose_gamma, expected_tokens
 from specdec.spec.proposers.draft_model import DraftModelConfig
 from specdec.spec.proposers.ngram import NgramConfig
 
@@ -100,6 +100,42 @@ def test_choose_gamma() -> None:
     assert choose_gamma([0.8], 4, flat, quarter) == 3
     assert choose_gamma([0.8], 4, flat, quarter, fused=(4, lambda b: 0.1)) == 4
     assert choose_gamma([0.8], 3, flat, quarter, fused=(4, lambda b: 0.1)) == 3  # γ=4 is not on offer
+
+
+def test_step_times_give_a_ratio_once_both_sides_have_enough_steps() -> None:
+    st = StepTimes(window=4, min_steps=3)
+    for t in (1.0, 1.0):
+        st.record(4, 0, t)
+        st.record(4, 2, 3 * t)
+    assert st.ratio(4, 2) is None  # two steps each: too few
+    st.record(4, 0, 9.0)  # a slow plain step: the median shrugs it off
+    assert st.ratio(4, 2) is None  # plain has 3, γ = 2 still 2
+    st.record(4, 2, 3.0)
+    assert st.ratio(4, 2) == pytest.approx(3.0)
+    assert st.ratio(4, 1) is None and st.ratio(2, 2) is None  # other γ, other batch sizes: none
+    for _ in range(4):  # the window keeps the last 4: older steps drop out
+        st.record(4, 2, 1.5)
+    assert st.ratio(4, 2) == pytest.approx(1.5)
+
+
+def test_measured_step_ratios_replace_the_modelled_cost() -> None:
+    flat = lambda b, n: 1.0  # noqa: E731
+    free = lambda b: 0.0  # noqa: E731
+    # Modelled: free drafts and verification, so γ = 4 (3.36 tokens for the cost of one).
+    assert choose_gamma([0.8], 4, flat, free) == 4
+    # Measured: a γ = 4 step takes 4x a plain step (host work the model leaves out):
+    # 3.36 / 4 = 0.84 < 1; γ = 1..3 unmeasured keep the model's cost, so γ = 3 (2.95 / 1).
+    four = lambda b, g: 4.0 if g == 4 else None  # noqa: E731
+    assert choose_gamma([0.8], 4, flat, free, measured=four) == 3
+    # Every γ measured at 2x plain: γ = 4 gives 3.36 / 2 = 1.68, still the best.
+    assert choose_gamma([0.8], 4, flat, free, measured=lambda b, g: 2.0) == 4
+    # A measured γ = 1 step at 1.63x plain (the n-gram's at batch 4): at a = 0.5 it gives
+    # 1.5 / 1.63 = 0.92 of plain, so plain, where the model's free γ = 1 gave 1.5.
+    assert choose_gamma([0.5] * 4, 1, flat, free) == 1
+    assert choose_gamma([0.5] * 4, 1, flat, free, measured=lambda b, g: 1.63) == 0
+    # Measured per batch size: only batch 4 is.
+    at4 = lambda b, g: 1.63 if b == 4 else None  # noqa: E731
+    assert choose_gamma([0.5] * 2, 1, flat, free, measured=at4) == 1
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
@@ -208,3 +244,26 @@ def test_plain_chosen_for_a_batch_is_not_worked_out_again_until_the_batch_change
     llm.generate(prompts[:1], sp)
     llm.generate(prompts[1:], sp)
     assert calls == [1, 1]  # a new batch is worked out anew (the same request id, another request)
+
+
+def test_adaptive_gamma_measures_decode_steps_and_follows_them(tiny_llama) -> None:
+    """Decode steps are measured by (batch size, γ chosen); prefill steps are not. Where
+    measured steps say speculation costs more than it brings, the pipeline decodes plain
+    though the forwards alone predict a gain; outputs stay plain's either way."""
+    prompts, sp = [[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(tiny_llama(seed=0).path,
+                                      runtime=RuntimeConfig(max_batch_size=2, max_seq_len=96)).generate(prompts, sp)]
+    free = _adaptive(tiny_llama, explore_tokens=0)
+    free.pipeline.step_times = StepTimes(window=1000)
+    assert [o.token_ids for o in free.generate(prompts, sp)] == plain
+    times = free.pipeline.step_times._times
+    assert sum(map(len, times.values())) == free.pipeline.num_spec_steps  # every decode step, no prefill
+    assert {b for b, _ in times} <= {1, 2} and any(g > 0 for _, g in times)
+    assert free.pipeline.stats().counts.proposed > 0  # the flat cost model speculates
+    slow = _adaptive(tiny_llama, explore_tokens=0)
+    for b in (1, 2):  # measured: any drafting step takes 10x a plain step
+        for g in range(5):
+            for _ in range(8):
+                slow.pipeline.step_times.record(b, g, 10.0 if g else 1.0)
+    assert [o.token_ids for o in slow.generate(prompts, sp)] == plain
+    assert slow.pipeline.stats().counts.proposed == 0
