@@ -347,11 +347,12 @@ def compile_decoder(module: nn.Module) -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     register_compiled_lowering()
     on_cpu = all(p.device.type == "cpu" for p in module.parameters())
-    module.forward = _own_compiled_forward(module, _compile_options(on_cpu))
+    module.forward = _own_compiled(module, type(module).forward, _compile_options(on_cpu))
 
 
-def _own_compiled_forward(module: nn.Module, options: dict[str, Any] | None) -> Callable[..., Any]:
-    """``module.forward`` compiled with a cache of graphs and guards of its own.
+def _own_compiled(module: nn.Module, fn: Callable[..., Any], options: dict[str, Any] | None) -> Callable[..., Any]:
+    """``fn`` (``module``'s class's ``forward``, or another function taking ``module``
+    first) compiled as ``module``'s bound method, with a cache of graphs and guards of its own.
 
     Dynamo keeps its compiled graphs per code object, each behind guards that a call
     checks in turn until one holds. Every decoder of a class shares ``forward``'s code,
@@ -364,7 +365,6 @@ def _own_compiled_forward(module: nn.Module, options: dict[str, Any] | None) -> 
     (``skip_guard_on_all_nn_modules_unsafe``): nothing changes a decoder after it is
     prepared (weights packed, rope tables built, then compiled), and a module's graphs
     serve that module alone. Guards on the inputs (shapes, the cache) stay."""
-    fn = type(module).forward
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     own.__qualname__, own.__doc__ = fn.__qualname__, fn.__doc__
     opts = dict(options or {}, guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe)
@@ -381,6 +381,15 @@ def compile_function(fn: Callable[..., Any], device: torch.device) -> Callable[.
     into ``fn``'s graph: several forwards become one call."""
     register_compiled_lowering()
     return torch.compile(fn, dynamic=True, options=_compile_options(device.type == "cpu"))
+
+
+def compile_method(module: nn.Module, fn: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
+    """``fn`` (a function taking ``module`` first) as ``module``'s bound method under
+    ``torch.compile``, as :func:`compile_function`, but with graphs and guards of its own
+    (as a compiled decoder's ``forward``, :func:`_own_compiled`): each instance's calls
+    check its own graphs only, and no guard walks the modules' weights."""
+    register_compiled_lowering()
+    return _own_compiled(module, fn, _compile_options(device.type == "cpu"))
 
 
 def keep_large_allocations() -> bool:

@@ -22,7 +22,6 @@ from specdec.api import LLM
 from specdec.core.context import SamplingParams
 from specdec.core.pipeline_model import RuntimeConfig
 from specdec.engine import EngineConfig
-from specdec.spec.pipeline import _verify_sampled_chain as pipeline_verify
 from specdec.spec.proposers.draft_model import DraftModelConfig
 
 PROMPTS = [[3, 5, 7, 11, 13, 17, 19], [1, 2], [9] * 20, list(range(40))]
@@ -58,6 +57,14 @@ def _run(tiny_llama, compile_: bool) -> tuple[list[list[int]], list[list[int]], 
 
         drafter.forward = counted_forward
         drafter.caught_up = lambda: own_catch_ups.append(1) or caught_up()
+        # The target's verification forward and the verification are one compiled call,
+        # through a code object of the module's own (compile_method).
+        module, verify_calls = spec.pipeline.module, []
+        verify = module.target_verify_chain
+        assert verify._torchdynamo_orig_callable.__func__.__code__ is not type(module)._target_verify_chain.__code__
+        module.target_verify_chain = lambda *a: verify_calls.append(1) or verify(*a)
+        step, steps = module.forward, []
+        module.forward = lambda **k: steps.append(1) or step(**k)
     out = ([o.token_ids for o in plain.generate(PROMPTS, sp)], [o.token_ids for o in spec.generate(PROMPTS, sp)],
            spec.pipeline.stats().counts)
     if compile_:
@@ -65,18 +72,18 @@ def _run(tiny_llama, compile_: bool) -> tuple[list[list[int]], list[list[int]], 
         # A fused drafting runs its catch-up inside the graph, not as a forward of its own
         # (a step near a request's end drafts fewer and runs its catch-up apart).
         assert drafts and set(drafts) == {1}
+        assert len(verify_calls) == len(steps) >= 4  # every speculative step
         fused_calls.clear()
+        verify_calls.clear()
+        steps.clear()
     spec.pipeline.reset_stats()
     sampled = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=1.0, seed=5)
-    if compile_:  # ... and their verification is one compiled graph
-        module, verify_calls = spec.pipeline.module, []
-        verify = module.verify_sampled_chain
-        module.verify_sampled_chain = lambda *a: verify_calls.append(1) or verify(*a)
     out += ([o.token_ids for o in spec.generate(PROMPTS, sampled)], spec.pipeline.stats().counts)
     if compile_:
         assert len(fused_calls) >= 4  # sampled chains fuse too
+        # ... and so does their verification with the target's forward.
         # (A step that drafts nothing, a request's last, runs as plain decoding: no verification.)
-        assert len(verify_calls) >= 4 and verify is not pipeline_verify  # (not the eager function)
+        assert len(verify_calls) == len(steps) >= 4
         # ... and traced whole: a graph break would run the fused steps piece by piece.
         assert not counters["graph_break"] and not counters["unimplemented"], dict(counters["unimplemented"])
         # The analytic limit charges a draft what it costs this way: the fused steps are timed.

@@ -50,7 +50,7 @@ import torch
 from specdec.core.context import TextContext
 from specdec.core.inputs import DecoderInputs, KVCacheTensors, MaskKind, move_tensors
 from specdec.core.kv_cache import OutOfBlocks, block_table_array
-from specdec.core.pipeline_model import DecoderPipelineModel, compile_function, registered_pipeline_model
+from specdec.core.pipeline_model import DecoderPipelineModel, compile_method, registered_pipeline_model
 from specdec.sampling import SamplingTensors, draw_drafts
 from specdec.spec.forward_time import bare_batch, forward_time, time_calls
 from specdec.spec.tree import TreeConfig, expand_topk, node_rows, selected_tree, static_tree_shape, static_tree_tokens
@@ -97,11 +97,11 @@ class DraftModelDrafter(Drafter):
         # Compiled: a chain of the method's γ, greedy or sampled, runs its catch-up and
         # γ - 1 one-token steps in one graph (one call, not γ calls each paying dynamo's
         # guards and wrappers); other γ (adaptive γ's smaller ones) step by step.
-        self._fused = (compile_function(self._draft_chain, pipeline.device)
+        self._fused = (compile_method(self, type(self)._draft_chain, pipeline.device)
                        if pipeline.runtime.compile and self.tree is None else None)
         # ... and a tree of the method's budget its catch-up and every level (forwards, top-k
         # expansion, selection).
-        self._fused_tree = (compile_function(self._draft_tree, pipeline.device)
+        self._fused_tree = (compile_method(self, type(self)._draft_tree, pipeline.device)
                             if pipeline.runtime.compile and self.tree is not None else None)
         self._static: dict[int, Any] = {}  # static tree cut to n nodes -> its tensors and host facts
 

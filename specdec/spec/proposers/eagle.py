@@ -54,7 +54,7 @@ from specdec.core.checkpoint import load_decoder
 from specdec.core.context import TextContext
 from specdec.core.inputs import DecoderInputs, KVCacheTensors, MaskKind
 from specdec.core.kv_cache import BlockTable, KVCacheParams, PagedKVCache, block_table_array
-from specdec.core.pipeline_model import compile_decoder, compile_function, pack_for_runtime
+from specdec.core.pipeline_model import compile_decoder, compile_method, pack_for_runtime
 from specdec.core.registry import Role
 from specdec.models.eagle import EagleHead, check_head_fits
 from specdec.sampling import SamplingTensors, draw_drafts
@@ -122,11 +122,11 @@ class EagleDrafter(Drafter):
         self.max_gamma = max_gamma
         # ``fuse_on`` (compiled heads): a chain of the method's γ, greedy or sampled, runs
         # its γ - 1 one-token steps as one compiled graph, as a draft model's does (draft_model.py).
-        self._fused = (compile_function(self._chain_steps, fuse_on)
+        self._fused = (compile_method(self, type(self)._chain_steps, fuse_on)
                        if fuse_on is not None and self.tree is None else None)
         # ... and a tree of the method's budget drafts its levels (every head forward, the
         # top-k expansion, the selection) as one compiled graph too.
-        self._fused_tree = (compile_function(self._tree_drafts, fuse_on)
+        self._fused_tree = (compile_method(self, type(self)._tree_drafts, fuse_on)
                             if fuse_on is not None and self.tree is not None else None)
         self._static: dict[int, Any] = {}  # static tree cut to n nodes -> its tensors and host facts
 
