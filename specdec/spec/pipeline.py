@@ -161,11 +161,15 @@ class DraftAndVerify(nn.Module):
         self.target = target
         self.drafter = drafter
         self.drafts_after_verify = drafts_after_verify
-        # ... and a chain drafted before the step (nothing reads the target's hidden states
-        # after it) has the target's forward and that verification as one graph: one
-        # compiled call, not two. (Built-in pair, batch 1, γ = 4: the separate verification
-        # call took 0.35 ms of a 7-9 ms step, 0.13 when repeated at once: most of it was
-        # the call itself, run cold after the forward.)
+        # ... and a one-request step verifying a chain drafted before it (nothing reads the
+        # target's hidden states after the forward) runs the target's forward and that
+        # verification as one graph: one compiled call, not two. (Built-in pair, batch 1,
+        # γ = 4: the separate verification call took 0.35 ms of a 7-9 ms step, 0.13 when
+        # repeated at once: most of it was the call itself, run cold after the forward.)
+        # One request only: each graph of this function holds the whole target, compiled
+        # again for every shape kind a batch meets (mask kinds, attention groups, ragged
+        # drafts), which the target's own graphs share with plain and prefill steps. Fused
+        # at every batch size, an n-gram's first batch-4 pass compiled for 385 s, not 101.
         self.target_verify_chain = (compile_method(self, type(self)._target_verify_chain, compile_on)
                                     if compile_on is not None and not drafts_after_verify else None)
         # A drafter that drafts trees after verification: (max_depth, max_children)
@@ -242,7 +246,7 @@ class DraftAndVerify(nn.Module):
             assert tree is not None and draft is not None
             nodes, node_depths = self._place_tree(target_inputs, tree, draft.gamma, draft_index, num_draft)
         t = self._draft_laps(t)
-        if self.target_verify_chain is not None and not branching:
+        if self.target_verify_chain is not None and not branching and target_inputs.single_request:
             # (Compiled: verification runs in the target's graph; its time is target_forward's.)
             out, acc, fault = self.target_verify_chain(target_inputs, draft_tokens, draft_probs, sampling,
                                                        num_draft, ragged, positions)

@@ -57,22 +57,24 @@ def _run(tiny_llama, compile_: bool) -> tuple[list[list[int]], list[list[int]], 
 
         drafter.forward = counted_forward
         drafter.caught_up = lambda: own_catch_ups.append(1) or caught_up()
-        # The target's verification forward and the verification are one compiled call,
-        # through a code object of the module's own (compile_method).
+        # A one-request step's verification forward and its verification are one compiled
+        # call, through a code object of the module's own (compile_method); a batch's are two.
         module, verify_calls = spec.pipeline.module, []
         verify = module.target_verify_chain
         assert verify._torchdynamo_orig_callable.__func__.__code__ is not type(module)._target_verify_chain.__code__
         module.target_verify_chain = lambda *a: verify_calls.append(1) or verify(*a)
         step, steps = module.forward, []
-        module.forward = lambda **k: steps.append(1) or step(**k)
+        module.forward = lambda **k: steps.append(k["target_inputs"].single_request) or step(**k)
     out = ([o.token_ids for o in plain.generate(PROMPTS, sp)], [o.token_ids for o in spec.generate(PROMPTS, sp)],
            spec.pipeline.stats().counts)
     if compile_:
+        # One request alone: its steps take the fused call, and decode as plain decoding does.
+        assert [o.token_ids for o in spec.generate(PROMPTS[2:3], sp)] == out[0][2:3]
+        assert len(verify_calls) == sum(steps) >= 4 and len(steps) > sum(steps)
         assert len(fused_calls) >= 4  # every request's first steps draft the full γ
         # A fused drafting runs its catch-up inside the graph, not as a forward of its own
         # (a step near a request's end drafts fewer and runs its catch-up apart).
         assert drafts and set(drafts) == {1}
-        assert len(verify_calls) == len(steps) >= 4  # every speculative step
         fused_calls.clear()
         verify_calls.clear()
         steps.clear()
@@ -83,7 +85,7 @@ def _run(tiny_llama, compile_: bool) -> tuple[list[list[int]], list[list[int]], 
         assert len(fused_calls) >= 4  # sampled chains fuse too
         # ... and so does their verification with the target's forward.
         # (A step that drafts nothing, a request's last, runs as plain decoding: no verification.)
-        assert len(verify_calls) == len(steps) >= 4
+        assert len(verify_calls) == sum(steps)
         # ... and traced whole: a graph break would run the fused steps piece by piece.
         assert not counters["graph_break"] and not counters["unimplemented"], dict(counters["unimplemented"])
         # The analytic limit charges a draft what it costs this way: the fused steps are timed.
