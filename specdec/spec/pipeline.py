@@ -32,7 +32,9 @@ the next step, the proposer's own state), addressed by slot.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -139,6 +141,19 @@ def _verify_greedy_chain(logits: torch.Tensor, draft_tokens: torch.Tensor, draft
     return out, acc, _fault(logits, draft_probs, acc, num_draft)
 
 
+def _verify_chain(logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                  sampling: SamplingTensors, num_draft: torch.Tensor, ragged: bool, positions: torch.Tensor | None,
+                  *, greedy: Callable[..., Any] = _verify_greedy_chain,
+                  sampled: Callable[..., Any] = _verify_sampled_chain
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A chain's verification, greedy or sampled (``greedy`` / ``sampled``: those
+    functions, or their compiled graphs) -> (tokens [B, γ+1], num_accepted [B], fault [B])."""
+    if sampling.all_greedy:  # (not ragged: every request has the step's γ drafts, no per-request cut)
+        return greedy(logits, draft_tokens, draft_probs, num_draft, ragged)
+    assert positions is not None
+    return sampled(logits, draft_tokens, draft_probs, sampling, num_draft, positions)
+
+
 class DraftAndVerify(nn.Module):
     """One speculative step in one call. ``target`` and ``drafter`` are submodules.
 
@@ -186,10 +201,7 @@ class DraftAndVerify(nn.Module):
         :meth:`forward`'s unfused path): written for ``torch.compile`` to take whole."""
         out = self.target(inputs)
         logits = out.logits.view(num_draft.shape[0], -1, out.logits.shape[-1])  # [B, γ+1, V]
-        if sampling.all_greedy:
-            return _verify_greedy_chain(logits, draft_tokens, draft_probs, num_draft, ragged)
-        assert positions is not None
-        return _verify_sampled_chain(logits, draft_tokens, draft_probs, sampling, num_draft, positions)
+        return _verify_chain(logits, draft_tokens, draft_probs, sampling, num_draft, ragged, positions)
 
     def _drafts(self, draft: DraftBatch, sampling: SamplingTensors, slots: torch.Tensor | None) -> DraftTree:
         if not self.drafts_after_verify:
@@ -261,13 +273,9 @@ class DraftAndVerify(nn.Module):
             out, acc, path, depth = self._verify_tree(target_inputs, tree, nodes, node_depths, logits, sampling,
                                                       positions)
             fault = _tree_fault(logits, draft_probs, path, acc)
-        elif sampling.all_greedy:
-            # Not ragged: every request has the step's γ drafts, no per-request cut.
-            out, acc, fault = self.verify_greedy_chain(logits, draft_tokens, draft_probs, num_draft, ragged)
         else:
-            assert positions is not None
-            out, acc, fault = self.verify_sampled_chain(logits, draft_tokens, draft_probs, sampling, num_draft,
-                                                        positions)
+            out, acc, fault = _verify_chain(logits, draft_tokens, draft_probs, sampling, num_draft, ragged, positions,
+                                            greedy=self.verify_greedy_chain, sampled=self.verify_sampled_chain)
         t = times.lap("verify", t)
         if self.drafts_after_verify and next_gamma > 0:
             assert slots is not None
