@@ -8,7 +8,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specdec.core.batch_processor import BatchProcessorRuntime, DecoderBatchProcessor, split_replicas
+from specdec.core.batch_processor import (
+    BatchProcessorRuntime,
+    DecoderBatchProcessor,
+    _pack_general,
+    _pack_one,
+    split_replicas,
+)
 from specdec.core.context import SamplingParams, TextContext
 from specdec.core.inputs import DecoderOutputs
 from specdec.core.kv_cache import BlockTable, KVCacheParams, PagedKVCache
@@ -73,6 +79,31 @@ def batches(draw):
     n_logits = draw(st.integers(1, 4))
     seed = draw(st.integers(0, 2**16))
     return replicas, block_size, per_replica, n_logits, seed
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 60), st.integers(1, 12), st.integers(0, 6), st.integers(1, 8), st.integers(1, 7),
+       st.integers(1, 3), st.data())
+def test_one_request_packer_gives_the_general_packers_tensors(start, fed, look, n_logits, block_size, min_q, data):
+    """The batch-1 fast path must hand a (compiled) decoder exactly what the general
+    packer would: every index tensor equal, with the same dtype, shape and strides
+    (a stride that differs recompiles a graph), and the same host facts."""
+    look = min(look, fed - 1)
+    n = look + 1 if look else n_logits  # with lookahead the step returns its G + 1 rows
+    ctx = start + fed
+    blocks = data.draw(st.permutations(range(80)))[: -(-ctx // block_size)]
+    toks = list(range(100, 100 + fed))
+    a, da = _pack_general(toks, [start], [fed], [blocks], block_size, n, [look], min_q=min_q)
+    b, db = _pack_one(toks, start, fed, blocks, block_size, n, look, min_q=min_q)
+    for f in ("tokens", "positions", "slot_mapping", "gather_slots", "q_index", "q_pos", "out_index", "logit_index",
+              "context_lengths"):
+        x, y = getattr(a, f), getattr(b, f)
+        assert (x.dtype, x.shape, x.stride()) == (y.dtype, y.shape, y.stride()), f
+        assert torch.equal(x, y), f
+    assert (da is None) == (db is None)
+    if da is not None:
+        assert (da.shape, da.stride()) == (db.shape, db.stride()) and torch.equal(da, db)
+    assert (a.single_request, a.mask, a.attention_groups) == (b.single_request, b.mask, b.attention_groups)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
