@@ -11,7 +11,8 @@ only how they are measured):
   a ratio;
 - **analytic limit** = τ · T_target(1) / (T_target(γ+1) + γ · T_draft(1))
   (:func:`specdec.spec.metrics.analytic_limit`), from bare forward times of
-  the method's own models, timed interleaved (:func:`limit_forward_times`);
+  the method's own models, timed interleaved with the runs' own passes
+  (:func:`limit_runs`, :func:`limit_from`; or at one moment, :func:`limit_forward_times`);
   T_draft = 0 for a method with no draft model;
 - **efficiency** = speedup ÷ analytic limit (:func:`efficiency`);
 - **step-time breakdown** (:func:`step_breakdown`): a run's milliseconds per
@@ -50,7 +51,7 @@ import torch
 from specdec.conf_schema import ZOO_DIR
 from specdec.core.kernels import cpu_kernels_available
 from specdec.core.kv_cache import OutOfBlocks
-from specdec.core.pipeline_model import DecoderPipelineModel
+from specdec.core.pipeline_model import DecoderPipelineModel, RuntimeConfig
 from specdec.spec.forward_time import forward_time
 from specdec.spec.metrics import PHASES, RunStats, analytic_limit
 from specdec.spec.proposers.base import Proposer
@@ -419,22 +420,17 @@ def bare_forward_times(
     return {k: statistics.median(v) for k, v in per.items()}
 
 
-def limit_forward_times(
-    methods: Mapping[str, LLM], ctx_len: int, *, rounds: int = 5, repeats: int = 10,
-    after_other: bool | Collection[str] = False,
-) -> dict[str, ForwardTimes]:
-    """Per speculative method (its ``LLM``): T_target(1) and T_target(γ+1) of its
-    target, T_draft(1) of its drafter's one-token forward (a draft model's, an
-    EAGLE head's step; 0 for a model-free method), all interleaved.
+Timer = Callable[[int, int], float]  # (context length, timed calls) -> seconds of one call
 
-    γ is the method's ``num_speculative_tokens`` (adaptive γ: the most it drafts).
-    ``after_other``: also T_target(γ+1) with the drafter's bare drafting run once
-    (its timer's one call, no warm-up) before each timed forward (``ForwardTimes.t_target_g1_after_draft``), and T_draft(1)
-    with one bare verification forward of the target before each timed drafting
-    (``t_draft_1_after_target``), for every method with a drafter (True) or for
-    those named.
-    """
-    runs: dict[tuple[str, str], tuple[DecoderPipelineModel, int] | Callable[[int, int], float]] = {}
+
+def limit_timers(methods: Mapping[str, LLM], *, after_other: bool | Collection[str] = False
+                 ) -> dict[tuple[str, str], tuple[DecoderPipelineModel, int] | Timer]:
+    """The bare forwards of each method's analytic limit, keyed ``(method, what)``: ``"t1"``
+    (the target's T(1)), ``"tg"`` (its T(γ+1)), ``"td"`` (the drafter's T_draft(1), where it
+    has one), and with ``after_other`` ``"tg_after"`` / ``"td_after"`` (see
+    :func:`limit_forward_times`). Each is a ``(model, n tokens)`` for
+    :func:`~specdec.spec.forward_time.forward_time` or a timer of its own."""
+    runs: dict[tuple[str, str], tuple[DecoderPipelineModel, int] | Timer] = {}
     for name, llm in methods.items():
         pipe = llm.pipeline
         g1 = int(llm.method.num_speculative_tokens) + 1
@@ -450,9 +446,87 @@ def limit_forward_times(
                 runs[name, "td_after"] = (
                     lambda ctx, reps, pm=pipe.target, g1=g1, draft=proposer.draft_forward_time:
                     draft(ctx, reps, between=lambda: forward_time(pm, g1, ctx, repeats=1, warmup=0)))
-    t = bare_forward_times(runs, ctx_len, rounds=rounds, repeats=repeats)
+    return runs
+
+
+def _forward_times(names: Collection[str], t: Mapping[tuple[str, str], float]) -> dict[str, ForwardTimes]:
     return {n: ForwardTimes(t[n, "t1"], t[n, "tg"], t.get((n, "td"), 0.0), t.get((n, "tg_after"), 0.0),
-                            t.get((n, "td_after"), 0.0)) for n in methods}
+                            t.get((n, "td_after"), 0.0)) for n in names}
+
+
+def limit_forward_times(
+    methods: Mapping[str, LLM], ctx_len: int, *, rounds: int = 5, repeats: int = 10,
+    after_other: bool | Collection[str] = False,
+) -> dict[str, ForwardTimes]:
+    """Per speculative method (its ``LLM``): T_target(1) and T_target(γ+1) of its
+    target, T_draft(1) of its drafter's one-token forward (a draft model's, an
+    EAGLE head's step; 0 for a model-free method), all interleaved, at one moment
+    (the benchmarks time them *with* their passes instead: :func:`limit_runs`).
+
+    γ is the method's ``num_speculative_tokens`` (adaptive γ: the most it drafts).
+    ``after_other``: also T_target(γ+1) with the drafter's bare drafting run once
+    (its timer's one call, no warm-up) before each timed forward (``ForwardTimes.t_target_g1_after_draft``), and T_draft(1)
+    with one bare verification forward of the target before each timed drafting
+    (``t_draft_1_after_target``), for every method with a drafter (True) or for
+    those named.
+    """
+    t = bare_forward_times(limit_timers(methods, after_other=after_other), ctx_len, rounds=rounds, repeats=repeats)
+    return _forward_times(methods, t)
+
+
+LIMIT_RUN = "bare "  # the name prefix of limit_runs' contestants
+
+
+def limit_runs(methods: Mapping[str, LLM], ctx_len: int, *, chunks: int = 12, repeats: int = 3,
+               after_other: bool | Collection[str] = False) -> dict[str, Run[list[float]]]:
+    """The bare forwards of :func:`limit_forward_times` as contestants of :func:`lockstep`,
+    timed in the same passes as the runs they are a limit for (:func:`limit_from`).
+
+    Timed at one moment, before or after the passes, the limit's bare forwards catch
+    that moment's speed whole, while the passes' ratios, timed by turns, do not move
+    with the machine's spells: on a 2-core EPYC VM ``efficiency_batch1`` read 0.915,
+    1.105 and 0.776 in three runs of one code, the bare one-token target forward
+    0.94-1.33 ms. By turns, each pass times ``chunks`` rounds of every bare forward
+    (``repeats`` calls each, after the timer's own untimed warm-up: back to back, as
+    the limit defines them) among the passes' own turns, and the limit takes the
+    median over every pass. A contestant's pass time and ratio mean nothing here;
+    its result is the list of its rounds' times."""
+    def run(timer: tuple[DecoderPipelineModel, int] | Timer) -> Run[list[float]]:
+        def once(reps: int = repeats) -> float:
+            if callable(timer):
+                return timer(ctx_len, reps)
+            return forward_time(timer[0], timer[1], ctx_len, repeats=reps)
+
+        def steps(clock: Callable[[], float]) -> Generator[None, None, list[float]]:
+            out = []
+            for _ in range(chunks):
+                out.append(once())
+                yield
+            return out
+
+        return Run(lambda: [once() for _ in range(chunks)], warmup=lambda: once(1), steps=steps)
+
+    return {f"{LIMIT_RUN}{name}: {what}": run(timer)
+            for (name, what), timer in limit_timers(methods, after_other=after_other).items()}
+
+
+def with_room_for_bare(rt: RuntimeConfig, extra_tokens: int = 64) -> RuntimeConfig:
+    """``rt`` with KV blocks for one full sequence more than its batch (``extra_tokens``
+    past ``max_seq_len`` each, for a drafter's rows): :func:`limit_runs`' bare forwards
+    hold a throwaway request beside a pass's own."""
+    return dataclasses.replace(rt, num_blocks=dataclasses.replace(rt, max_batch_size=rt.max_batch_size + 1)
+                               .blocks(extra_tokens))
+
+
+def limit_from(timing: Timing[Any], methods: Collection[str]) -> dict[str, ForwardTimes]:
+    """Each method's :class:`ForwardTimes` from the :func:`limit_runs` contestants of a
+    :func:`lockstep` timing: per bare forward, the median over every round of every pass."""
+    t: dict[tuple[str, str], float] = {}
+    for key, outs in timing.outputs.items():
+        if key.startswith(LIMIT_RUN):
+            name, what = key[len(LIMIT_RUN):].rsplit(": ", 1)
+            t[name, what] = statistics.median(x for out in outs for x in out)
+    return _forward_times(methods, t)
 
 
 # --------------------------------------------------------------------------------------

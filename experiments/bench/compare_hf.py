@@ -85,13 +85,15 @@ from specdec.measure import (
     emit_json,
     hf_model,
     interleave,
-    limit_forward_times,
+    limit_from,
+    limit_runs,
     lockstep,
     load_config,
     outputs_equal,
     print_table,
     random_checkpoint,
     step_breakdown,
+    with_room_for_bare,
 )
 from specdec.spec.proposers import ProposerConfig, config_class
 
@@ -192,8 +194,8 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
     ec = EngineConfig(max_batch_size=1)
     ours: dict[str, LLM] = {}
     for compiled in ([False, True] if cfg.compile and cfg.batch1_eager else [cfg.compile]):
-        rt = RuntimeConfig(max_batch_size=1, max_seq_len=max_len, compile=compiled, device=cfg.device,
-                           threads=cfg.threads)
+        rt = with_room_for_bare(RuntimeConfig(max_batch_size=1, max_seq_len=max_len, compile=compiled,
+                                              device=cfg.device, threads=cfg.threads))
         for m, mc in methods(cfg, draft).items():
             ours[_ours(m, compiled)] = LLM(target, method=mc, runtime=rt, engine_config=ec)
     c = cfg.compile  # the headline figures are for this mode
@@ -216,16 +218,17 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
     runs |= {k: Run(lambda llm=llm: llm.generate(prompts, sp), before=llm.pipeline.reset_stats,
                     steps=lambda clock, llm=llm: llm.generate_steps(prompts, sp, clock=clock))
              for k, llm in ours.items()}
-    timing = timed_side_by_side(cfg, runs, baseline=_ours("plain", c), repeats=cfg.repeats)
+    dm, plain = _ours("draft_model", c), _ours("plain", c)
+    # Efficiency of our draft-model run against its analytic limit, whose bare forwards
+    # are timed by turns in the same passes (measure.limit_runs).
+    ctx_len = max(len(p) for p in prompts) + n // 2
+    contestants = runs | limit_runs({dm: ours[dm]}, ctx_len, after_other=True)
+    timing = timed_side_by_side(cfg, contestants, baseline=plain, repeats=cfg.repeats)
+    bare = limit_from(timing, [dm])[dm]
     tokens = len(prompts) * n
     tps = {k: tokens / timing.median(k) for k in runs}
     ref = _token_ids(timing.last("hf plain"))
     equal = {k: outputs_equal(_token_ids(timing.last(k)), ref) for k in runs}
-    dm, plain = _ours("draft_model", c), _ours("plain", c)
-
-    # Efficiency of our draft-model run against its analytic limit.
-    ctx_len = max(len(p) for p in prompts) + n // 2
-    bare = limit_forward_times({dm: ours[dm]}, ctx_len, rounds=3 if cfg.quick else 5, after_other=True)[dm]
     counts = ours[dm].pipeline.stats().counts  # the last timed pass's
     limit = bare.limit(counts.tau, cfg.gamma)
     speedup = timing.speedup(dm)

@@ -73,13 +73,15 @@ from specdec.measure import (
     checkpoint,
     efficiency,
     emit_json,
+    limit_from,
+    limit_runs,
     lockstep,
-    limit_forward_times,
     load_config,
     outputs_equal,
     print_table,
     step_breakdown,
     random_head,
+    with_room_for_bare,
     zoo_drafter,
 )
 from specdec.spec.proposers import ProposerConfig, config_class
@@ -171,8 +173,8 @@ def main(argv: list[str]) -> None:
         cfg.repeats, cfg.num_prompts, cfg.new_tokens, cfg.gammas = 1, 8, 64, [1, 2, 4, 8]
     target, draft, prompts = inputs(cfg)
     max_len = max(len(p) for p in prompts) + cfg.new_tokens + 16
-    runtime = RuntimeConfig(max_batch_size=cfg.batch_size, max_seq_len=max_len, device=cfg.device,
-                            compile=cfg.compile, threads=cfg.threads)
+    runtime = with_room_for_bare(RuntimeConfig(max_batch_size=cfg.batch_size, max_seq_len=max_len, device=cfg.device,
+                                               compile=cfg.compile, threads=cfg.threads))
     engine_cfg = EngineConfig(max_batch_size=cfg.batch_size)
     sp = SamplingParams(max_new_tokens=cfg.new_tokens, ignore_eos=True)
     # Eager: one whole request. Compiled: a whole untimed pass, so that every graph kind the
@@ -197,14 +199,16 @@ def main(argv: list[str]) -> None:
                    before=llm.pipeline.reset_stats,
                    steps=lambda clock, llm=llm: llm.generate_steps(prompts, sp, clock=clock))
              for k, llm in llms.items()}
+    # Bare forward times at a typical context length, for the analytic limit, timed by
+    # turns in the same passes (measure.limit_runs). The γ = 4 chains (the JSON's
+    # breakdown) also time the verification right after their drafter drafted.
+    ctx_len = max(len(p) for p in prompts) + cfg.new_tokens // 2
+    at4 = [k for k, (n, g) in grid.items() if g == 4 and not n.endswith(TREE_SUFFIX)]
+    runs |= limit_runs({k: llms[k] for k in grid}, ctx_len, after_other=at4)
     timing = lockstep(runs, baseline="plain", repeats=cfg.repeats)
+    bare = limit_from(timing, grid)
     plain_ids = [o.token_ids for o in timing.last("plain")]
     n_tokens = sum(len(ids) for ids in plain_ids)
-    # Bare forward times at a typical context length, for the analytic limit.
-    ctx_len = max(len(p) for p in prompts) + cfg.new_tokens // 2
-    # The γ = 4 chains (the JSON's breakdown) also time the verification right after their drafter drafted.
-    at4 = [k for k, (n, g) in grid.items() if g == 4 and not n.endswith(TREE_SUFFIX)]
-    bare = limit_forward_times({k: llms[k] for k in grid}, ctx_len, rounds=3 if cfg.quick else 5, after_other=at4)
 
     rows, breakdown = [], {}
     for key, (name, g) in grid.items():

@@ -437,3 +437,55 @@ def test_lockstep_needs_its_baseline_in_every_pass() -> None:
         lockstep({"spec": Run(lambda: None)}, baseline="plain", repeats=1)
     with pytest.raises(ValueError, match="turn_s"):
         lockstep({"plain": Run(lambda: None)}, baseline="plain", repeats=1, turn_s=0)
+
+
+def test_limit_runs_time_the_bare_forwards_within_the_passes_and_leave_their_tokens_alone(
+        target, generate, monkeypatch) -> None:
+    # The analytic limit's bare forwards are contestants of the passes they are a limit
+    # for: timed by turns among the passes' own steps (a request mid-flight beside them,
+    # in a cache with room for one more), and limit_from takes each forward's median
+    # over every round of every pass.
+    import statistics
+
+    import specdec.measure as measure
+    from specdec.core.pipeline_model import RuntimeConfig
+    from specdec.measure import Run, limit_from, limit_runs, lockstep, with_room_for_bare
+
+    rt = with_room_for_bare(RuntimeConfig(max_batch_size=1, max_seq_len=128, block_size=8))
+    prompts, sp = [[3, 14, 15, 9, 2, 6]], SamplingParams(max_new_tokens=24, ignore_eos=True)
+    ref, llm = generate(target, DraftModelConfig(path=str(target.path), num_speculative_tokens=3), prompts, sp,
+                        max_batch_size=1, num_blocks=rt.num_blocks)
+    log: list[str] = []
+    own = measure.forward_time
+
+    def logged(*a, **k):
+        log.append("bare")
+        return own(*a, **k)
+
+    def steps(clock):
+        gen = llm.generate_steps(prompts, sp, clock=clock)
+        try:
+            while True:
+                next(gen)
+                log.append("step")
+                yield
+        except StopIteration as done:
+            return done.value
+
+    monkeypatch.setattr(measure, "forward_time", logged)
+    bare = limit_runs({"m": llm}, 16, chunks=3, repeats=2)
+    assert sorted(bare) == ["bare m: t1", "bare m: td", "bare m: tg"]
+    runs = {"plain": Run(lambda: llm.generate(prompts, sp), steps=steps)} | bare
+    timing = lockstep(runs, baseline="plain", repeats=2, turn_s=1e-4)
+    for o in timing.outputs["plain"]:  # throwaway requests beside it change none of its tokens
+        assert [x.token_ids for x in o] == ref
+    # Bare forwards ran while a pass was under way (between two of its steps), not only around it.
+    first, last = log.index("step"), len(log) - 1 - log[::-1].index("step")
+    assert "bare" in log[first:last]
+    for what in ("t1", "tg", "td"):
+        rounds = timing.outputs[f"bare m: {what}"]
+        assert len(rounds) == 2 and all(len(r) == 3 and min(r) > 0 for r in rounds)
+    ft = limit_from(timing, ["m"])["m"]
+    assert ft.t_target_1 == statistics.median(x for r in timing.outputs["bare m: t1"] for x in r)
+    assert ft.t_draft_1 == statistics.median(x for r in timing.outputs["bare m: td"] for x in r)
+    assert ft.t_target_g1_after_draft == 0.0
