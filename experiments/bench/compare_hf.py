@@ -28,7 +28,8 @@ AMD EPYC VM, with whole passes one after another (``turn_ms=0``), two
 identical runs' per-pass ratios spread ±7-10% and the sweep's A/A read
 0.92-1.07; timed by turns, 0.99-1.02). Efficiency is
 speedup / analytic limit, the limit from bare forward times of
-the draft-model run's own models timed interleaved (:mod:`specdec.measure`).
+the draft-model run's own models, timed by turns in the same passes
+(:func:`specdec.measure.limit_runs`).
 The limit is a per-step model of decoding, with no prefill in it, so
 ``efficiency_batch1`` divides the *decode-phase* speedup by it: tokens/s after
 each request's first step (``GenerationOutput.decode_tokens / decode_s``), on

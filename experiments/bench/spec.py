@@ -7,8 +7,8 @@ For each proposer (any registered one, by name) and γ: τ, α, tokens/s,
 speedup over our plain decoding of the same target (same prompts, same batch
 size, passes timed side by side by turns; ``speedup`` whole requests, ``decode_speedup`` after
 each request's first step) and efficiency = decode_speedup / analytic limit,
-the limit from bare forward times of the method's own models timed in the same
-run (definitions: :mod:`specdec.measure`). The limit is a per-step model of
+the limit from bare forward times of the method's own models timed by turns in
+the same passes (:func:`specdec.measure.limit_runs`; definitions: :mod:`specdec.measure`). The limit is a per-step model of
 decoding, so its efficiency leaves the prefill out on both sides, as
 ``compare_hf.py``'s ``efficiency_batch1`` does (one definition for every tool). Last line (JSON): ``efficiency_batch1``
 (of the fastest proposer/γ at batch 1), ``best``, the best ``speedup`` and its
