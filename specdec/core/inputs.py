@@ -68,6 +68,12 @@ class DecoderInputs:
     # never branches on tensor sizes (a compiled model would guard on them):
     single_request: bool = False  # B == 1: the queries are the packed rows as they are
     mask: MaskKind = MaskKind.EXPLICIT
+    # A compiled forward hides each row's non-finite new keys from the rows before it
+    # (``PagedAttend``; 3-6% of a compiled CPU verification forward). False: it need not,
+    # because its caller runs it again with True when any row it reads went non-finite
+    # (a compiled CPU verification: ``DraftAndVerify``). An eager CPU forward decides
+    # that itself (``LlamaDecoder.forward``).
+    isolate_rows: bool = True
     # Layers whose *input* hidden states come back (``aux_hidden_states``) at
     # the logit rows: what a target-conditioned drafter reads (EAGLE-3 reads
     # three). Empty: none, and no cost.

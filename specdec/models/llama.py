@@ -395,7 +395,8 @@ class LlamaDecoder(RopeTables, DecoderModule):
         # again with it only if some row went non-finite: a residual stream that
         # went NaN or inf stays so to the last layer, so the final states tell.
         check = x.device.type == "cpu" and not torch.compiler.is_compiling()
-        attend = paged_attend(inputs, inputs.kv_cache, self.config.sliding_window, isolate_rows=not check)
+        attend = paged_attend(inputs, inputs.kv_cache, self.config.sliding_window,
+                              isolate_rows=inputs.isolate_rows and not check)
         rows = None if inputs.all_hidden else inputs.logit_index  # where captured layers are kept
         h, aux = self._layers(x, cos, sin, attend, inputs.capture_layers, rows)
         if check and attend.rows_meet and not bool(torch.isfinite(h.sum())):

@@ -166,3 +166,42 @@ def test_a_tiny_temperature_samples_the_argmax_not_nan() -> None:
     probs = probs_from_logits(logits, st)
     assert torch.isfinite(probs).all()
     assert probs[0, 0].tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+@pytest.mark.slow  # compiles the tiny target's graphs (about a minute on 2 cores)
+@pytest.mark.parametrize("batch", [1, 3])  # 1: the fused verification graph, 3: a batched forward
+def test_compiled_verification_rechecks_rows_that_went_non_finite(tiny_llama, tmp_path: Path, batch: int) -> None:
+    """Compiled on a CPU, a chain is verified by a forward that does not hide a row's
+    non-finite keys from the rows before it, and again with hiding when a verification
+    read a non-finite number (DecoderInputs.isolate_rows). As in the eager test above:
+    every draft drives the target NaN, is rejected, and the output is exact; the
+    rerun must have happened, and a clean run must not need it."""
+    src = tiny_llama(vocab=64, seed=0).path
+    rt = replace(RT, max_batch_size=batch, compile=True)
+    ec = EngineConfig(max_batch_size=batch)
+    clean = LLM(str(src), runtime=rt, engine_config=ec).generate(PROMPTS, GREEDY)
+    x = min(set(range(64)) - {t for p, o in zip(PROMPTS, clean) for t in p + o.token_ids})
+    nan_target = _edited_copy(src, tmp_path / "nan-target", _nan_embedding(x))
+
+    def always_x(sd: dict[str, torch.Tensor]) -> None:
+        for name, t in sd.items():
+            t.fill_(1.0 if name == "model.embed_tokens.weight" or name.endswith("norm.weight") else 0.0)
+        sd["lm_head.weight"][x] = 1.0
+
+    x_drafter = _edited_copy(src, tmp_path / "x-drafter", always_x)
+    same = _edited_copy(src, tmp_path / "same-drafter", lambda sd: None)
+    for drafter, reruns in ((x_drafter, True), (same, False)):
+        llm = LLM(str(nan_target if reruns else src), _method(drafter), runtime=rt, engine_config=ec)
+        isolated: list[bool] = []
+        target = llm.pipeline.module.target
+        forward = target.forward
+
+        def seen(inputs, forward=forward):
+            isolated.append(inputs.isolate_rows)
+            return forward(inputs)
+
+        target.forward = seen  # (traced into the fused graph at batch 1: counts its compiles there)
+        out = llm.generate(PROMPTS, GREEDY)
+        assert [o.error for o in out] == [None] * len(PROMPTS)
+        assert [o.token_ids for o in out] == [o.token_ids for o in clean]
+        assert False in isolated and (True in isolated) == reruns
