@@ -56,6 +56,17 @@ def _nan_embedding(token: int) -> Callable[[dict[str, torch.Tensor]], None]:
     return edit
 
 
+def _always_drafts(x: int) -> Callable[[dict[str, torch.Tensor]], None]:
+    """A drafter that drafts token ``x`` whatever the context: layers all zero, every
+    embedding row ones, so the final hidden state is ones and only lm_head row ``x`` sees it."""
+    def edit(sd: dict[str, torch.Tensor]) -> None:
+        for name, t in sd.items():
+            t.fill_(1.0 if name == "model.embed_tokens.weight" or name.endswith("norm.weight") else 0.0)
+        sd["lm_head.weight"][x] = 1.0
+
+    return edit
+
+
 def _method(draft: Path | None, gamma: int = 3) -> DraftModelConfig | None:
     return None if draft is None else DraftModelConfig(path=str(draft), num_speculative_tokens=gamma)
 
@@ -125,14 +136,7 @@ def test_draft_that_drives_the_target_non_finite_is_only_rejected(tiny_llama, tm
     x = min(set(range(64)) - {t for p, o in zip(PROMPTS, clean) for t in p + o.token_ids})
     nan_target = _edited_copy(src, tmp_path / "nan-target", _nan_embedding(x))
 
-    def always_x(sd: dict[str, torch.Tensor]) -> None:
-        # Layers all zero, every embedding row ones: the final hidden state is
-        # ones whatever the context, and only lm_head row x sees it.
-        for name, t in sd.items():
-            t.fill_(1.0 if name == "model.embed_tokens.weight" or name.endswith("norm.weight") else 0.0)
-        sd["lm_head.weight"][x] = 1.0
-
-    x_drafter = _edited_copy(src, tmp_path / "x-drafter", always_x)
+    x_drafter = _edited_copy(src, tmp_path / "x-drafter", _always_drafts(x))
     out = _run(nan_target, x_drafter, PROMPTS, GREEDY, batch=batch)
     assert [o.error for o in out] == [None] * len(PROMPTS)
     assert [o.token_ids for o in out] == [o.token_ids for o in clean]
@@ -183,12 +187,7 @@ def test_compiled_verification_rechecks_rows_that_went_non_finite(tiny_llama, tm
     x = min(set(range(64)) - {t for p, o in zip(PROMPTS, clean) for t in p + o.token_ids})
     nan_target = _edited_copy(src, tmp_path / "nan-target", _nan_embedding(x))
 
-    def always_x(sd: dict[str, torch.Tensor]) -> None:
-        for name, t in sd.items():
-            t.fill_(1.0 if name == "model.embed_tokens.weight" or name.endswith("norm.weight") else 0.0)
-        sd["lm_head.weight"][x] = 1.0
-
-    x_drafter = _edited_copy(src, tmp_path / "x-drafter", always_x)
+    x_drafter = _edited_copy(src, tmp_path / "x-drafter", _always_drafts(x))
     same = _edited_copy(src, tmp_path / "same-drafter", lambda sd: None)
     for drafter, reruns in ((x_drafter, True), (same, False)):
         llm = LLM(str(nan_target if reruns else src), _method(drafter), runtime=rt, engine_config=ec)
