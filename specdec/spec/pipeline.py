@@ -194,9 +194,10 @@ class DraftAndVerify(nn.Module):
         # requests; medians of 14 paired rounds), and again with it when any request's verification
         # read a non-finite number (its fault): where none did, every row a request uses is
         # bit for bit the hidden one (a masked key that is finite adds an exact zero; one that
-        # is not makes the rows that gather it non-finite, and they include the request's
-        # first). Nothing else reads that forward: the drafter drafted before it, rejected
-        # rows' keys are rolled back. (An eager CPU forward checks its own final states.)
+        # is not either leaves a row it reaches non-finite, which its verification reads as a
+        # fault if the row is used, or is not read at all). Nothing else reads that forward:
+        # the drafter drafted before it, rejected rows' keys are rolled back. (An eager CPU
+        # forward checks its own final states.)
         self.recheck_rows = (compile_on is not None and compile_on.type == "cpu" and not drafts_after_verify)
         # A drafter that drafts trees after verification: (max_depth, max_children)
         # of its trees (host facts); the store keeps their parents and node counts.
