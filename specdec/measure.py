@@ -409,15 +409,22 @@ def bare_forward_times(
     per: dict[K, list[float]] = {k: [] for k in runs}
     for _ in range(rounds):
         for k, run in runs.items():
-            try:
-                if callable(run):  # a drafter's own timer: (ctx_len, repeats) -> seconds
-                    per[k].append(run(ctx_len, repeats))
-                else:
-                    per[k].append(forward_time(run[0], run[1], ctx_len, repeats=repeats))
-            except OutOfBlocks as e:
-                raise OutOfBlocks(f"a bare forward at context {ctx_len} does not fit in the KV cache ({e}); "
-                                  "raise runtime.num_blocks") from None
+            per[k].append(_bare_time(run, ctx_len, repeats))
     return {k: statistics.median(v) for k, v in per.items()}
+
+
+def _bare_time(run: tuple[DecoderPipelineModel, int] | Callable[[int, int], float], ctx_len: int,
+               repeats: int) -> float:
+    """Seconds of one bare forward of ``run``: a ``(model, n tokens)`` through
+    :func:`~specdec.spec.forward_time.forward_time`, or a timer of its own
+    (``(ctx_len, repeats) -> seconds``, a drafter's)."""
+    try:
+        if callable(run):
+            return run(ctx_len, repeats)
+        return forward_time(run[0], run[1], ctx_len, repeats=repeats)
+    except OutOfBlocks as e:
+        raise OutOfBlocks(f"a bare forward at context {ctx_len} does not fit in the KV cache ({e}); "
+                          "raise runtime.num_blocks") from None
 
 
 Timer = Callable[[int, int], float]  # (context length, timed calls) -> seconds of one call
@@ -493,9 +500,7 @@ def limit_runs(methods: Mapping[str, LLM], ctx_len: int, *, chunks: int = 12, re
     its result is the list of its rounds' times."""
     def run(timer: tuple[DecoderPipelineModel, int] | Timer) -> Run[list[float]]:
         def once(reps: int = repeats) -> float:
-            if callable(timer):
-                return timer(ctx_len, reps)
-            return forward_time(timer[0], timer[1], ctx_len, repeats=reps)
+            return _bare_time(timer, ctx_len, reps)
 
         def steps(clock: Callable[[], float]) -> Generator[None, None, list[float]]:
             out = []
