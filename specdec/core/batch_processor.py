@@ -249,11 +249,28 @@ def _pack_general(tokens_list: list[int], starts: list[int], lens: list[int], ta
         # two queries per request, the second a padding one for a decode step): fewer
         # kinds of batch for a compiled model to meet (each compiles a graph of its own).
         inputs.attention_groups = [
-            replace(_pack(tokens_list[r0:r1], starts[a:z], lens[a:z], tables[a:z], bs, 1, [0] * (z - a),
-                          grouped=False, min_q=2)[0], single_request=False, mask=MaskKind.EXPLICIT)
+            _two_or_more(replace(_pack(tokens_list[r0:r1], starts[a:z], lens[a:z], tables[a:z], bs, 1,
+                                       [0] * (z - a), grouped=False, min_q=2)[0],
+                                 single_request=False, mask=MaskKind.EXPLICIT))
             for a, z, r0, r1 in ((0, cut, 0, rows), (cut, b, rows, t))
         ]
     return inputs, draft_index
+
+
+def _two_or_more(group: DecoderInputs) -> DecoderInputs:
+    """An attention group of one request as two: the request and a copy of its query and
+    key rows whose output nothing reads (``out_index`` maps the first copy's only).
+
+    Compiled, a size of 1 gets a graph of its own (dynamo specialises sizes 0 and 1), so
+    a group of one request beside a group of several was a new kind of batch for each
+    mix of 1s, met only when a prompt happened to join alone: a compile of 10-55 s
+    inside a run (on the built-in target, 2-core AMD EPYC, n-gram at batch 4). The copy
+    costs one more request's attention over the group's keys."""
+    if group.q_index.shape[0] > 1:
+        return group
+    assert group.context_lengths is not None
+    return replace(group, q_index=group.q_index.repeat(2, 1), q_pos=group.q_pos.repeat(2, 1),
+                   gather_slots=group.gather_slots.repeat(2, 1), context_lengths=group.context_lengths.repeat(2))
 
 
 def _pack_one(tokens_list: list[int], start: int, ln: int, table: list[int], bs: int, n: int, look: int, *,

@@ -501,7 +501,10 @@ class PlainGeneration:
         rb = self.replica_batches(batch)
         order = [c for r in rb for c in r]
         n_of = {id(c): n for c, n in zip(batch, num_new)}
-        packed = self.target.processor.prepare_initial_token_inputs(rb, num_tokens=[n_of[id(c)] for c in order])
+        # (with_state=False: a speculative pipeline's target has a state store, which plain steps
+        # never read: no slots tensor to build)
+        packed = self.target.processor.prepare_initial_token_inputs(rb, num_tokens=[n_of[id(c)] for c in order],
+                                                                    with_state=False)
         out = self.target.execute(packed)
         self.num_forwards += 1
         logits = out.logits  # [B, V]

@@ -356,8 +356,12 @@ def test_a_prompt_beside_decoding_requests_attends_in_its_own_group():
     inp = p.prepare_initial_token_inputs([decoding + [prompt]]).inputs
     assert inp.attention_groups is not None
     first, second = inp.attention_groups
-    assert first.q_index.shape == (3, 2) and second.q_index.shape == (1, 150)  # (decoding: one padding query)
-    assert first.gather_slots.shape == (3, 61) and second.gather_slots.shape == (1, 150)
+    # (decoding: one padding query; the prompt alone: a copy of it, so no group has one request)
+    assert first.q_index.shape == (3, 2) and second.q_index.shape == (2, 150)
+    assert first.gather_slots.shape == (3, 61) and second.gather_slots.shape == (2, 150)
+    assert torch.equal(second.q_index[0], second.q_index[1]) and torch.equal(second.q_pos[0], second.q_pos[1])
+    assert torch.equal(second.gather_slots[0], second.gather_slots[1])
+    assert second.out_index.max().item() < 150  # the copy's outputs are never read
     assert not second.single_request and second.mask.name == "EXPLICIT"  # (the general path, one kind)
     # The groups' rows, in order, are the batch's rows; each group's indices count from its own first row.
     for f in ("tokens", "positions", "slot_mapping"):

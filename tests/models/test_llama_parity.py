@@ -157,7 +157,7 @@ def test_decoding_requests_beside_a_prompt_in_attention_groups(kind, tie, hf_che
             c.tokens.append(t)
         batch = pm.processor.prepare_initial_token_inputs([ctxs], return_n_logits=2)
         assert batch.inputs.attention_groups is not None
-        assert [g.q_index.shape[0] for g in batch.inputs.attention_groups] == [3, 1]
+        assert [g.q_index.shape[0] for g in batch.inputs.attention_groups] == [3, 2]  # (the prompt and its copy)
         out = pm.execute(batch)
     finally:
         _free(pm, ctxs)
