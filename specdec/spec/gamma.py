@@ -40,12 +40,6 @@ standard error at 0.5), and an n-gram drafter's first drafts in a request are
 its worst (the prompt is all it can match): on the built-in pair its first 25
 accepted 12 (0.48), its first 2,429 accepted 1,745 (0.72). Hence 128.
 
-Steps with prompt rows (a request joining) follow the decode steps: where the last
-step without prompt rows ran plain, they run plain too (``SpecDecodePipelineModel._spec_step``).
-Alone, drafting beside a prompt looks nearly free, but it gives the new requests a few
-tokens more than the rest, so a batch's requests then end, and their successors join,
-a step or two apart: more and smaller prefill steps, each reading every weight again.
-
 Measured step times (:class:`StepTimes`): the cost model above counts forwards only.
 A drafting step also packs drafts, verifies, syncs and commits (about 1.3 ms a step
 on the built-in pair, compiled, at batch 4, beside a 3.7 ms forward), and an n-gram

@@ -497,9 +497,6 @@ class SpecDecodePipelineModel:
 
         self.step_times = StepTimes() if config.gamma_policy.adaptive and not current().distributed else None
         self._step_gamma = 0  # the γ adaptive γ chose for the step under way
-        # The γ adaptive γ chose at the last step without prompt rows (None: none yet). Where it
-        # is 0, a step with prompt rows does not draft either (_spec_step).
-        self._decode_gamma: int | None = None
         self._greedy: dict[int, SamplingTensors] = {}  # all-greedy sampling tensors per batch size
         if config.gamma_policy.adaptive:  # calibrate now, while the KV cache is empty
             self._cost_curves()
@@ -776,20 +773,7 @@ class SpecDecodePipelineModel:
             return self._plain_step(batch, chunks, unprocessed, times.lap("draft_prepare", t))
         gammas = [self.gamma_for(c) for c in batch]
         if self.config.gamma_policy.adaptive and max(gammas) > 0:
-            if times.prefilling and self._decode_gamma == 0:
-                # Where decode steps run plain, a step with prompt rows does too. Drafting there
-                # looks cheap (a few rows beside a prompt) but hands the new requests a few tokens
-                # more than the rest, so the batch's requests end, and their successors' prompts
-                # join, a step or two apart: more, smaller prefill steps, each reading every
-                # weight again. The n-gram at batch 4 (32 requests x 32 tokens, compiled) spent
-                # 237-249 ms a pass in 12-15 prefill steps against plain decoding's 186-192 ms
-                # in 8, and ran at 0.90-0.96 of it, though its decode steps never drafted.
-                g = 0
-            else:
-                g = self._policy_gamma(batch, gammas)
-            if not times.prefilling:
-                self._decode_gamma = g
-            self._step_gamma = g
+            g = self._step_gamma = self._policy_gamma(batch, gammas)
             gammas = [min(x, g) for x in gammas]
         lens = [len(c.tokens) for c in batch]
         after = self.proposer.drafts_after_verify

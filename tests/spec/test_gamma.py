@@ -267,37 +267,3 @@ def test_adaptive_gamma_measures_decode_steps_and_follows_them(tiny_llama) -> No
                 slow.pipeline.step_times.record(b, g, 10.0 if g else 1.0)
     assert [o.token_ids for o in slow.generate(prompts, sp)] == plain
     assert slow.pipeline.stats().counts.proposed == 0
-
-
-@pytest.mark.parametrize("decode_gamma", [0, 4])
-def test_a_joining_prompt_drafts_only_where_decode_steps_do(tiny_llama, decode_gamma: int) -> None:
-    """Where adaptive γ runs decode steps plain, the step in which a new request's prompt joins
-    runs plain too, whatever the model would say of it alone: drafting there hands the new
-    request extra tokens, so requests then end and join out of step (more, smaller prefills).
-    Where decode steps draft, such a step is the model's to decide. Outputs stay plain's."""
-    llm = _adaptive(tiny_llama, explore_tokens=0)
-    pipe = llm.pipeline
-    # The model, stubbed: decode steps get decode_gamma, steps with a prompt row 4.
-    pipe._policy_gamma = lambda batch, gammas: decode_gamma if all(pipe.unprocessed(c) == 1 for c in batch) else 4
-    steps: list[tuple[bool, int]] = []  # (prompt rows in the step, γ it ran)
-    real = pipe._spec_step
-
-    def spec_step(batch, chunks, unprocessed):
-        out = real(batch, chunks, unprocessed)
-        steps.append((max(unprocessed) > 1, pipe._step_gamma))
-        return out
-
-    pipe._spec_step = spec_step
-    short, long = SamplingParams(max_new_tokens=8, ignore_eos=True), SamplingParams(max_new_tokens=16, ignore_eos=True)
-    jobs = [([1, 2, 3], short, "a"), ([4, 5, 6, 7], long, "b"), ([8, 9, 10, 11, 12], long, "c")]
-    engine = llm.new_engine()
-    for p, sp, rid in jobs:
-        llm._add(engine, p, sp, rid)
-    outs = {c.request_id: c.tokens[c.prompt_len:] for c in engine.run()}
-    plain = LLM(tiny_llama(seed=0).path, runtime=RuntimeConfig(max_batch_size=2, max_seq_len=96))
-    for p, sp, rid in jobs:
-        assert outs[rid] == plain.generate([p], sp)[0].token_ids, rid
-    assert steps[0] == (True, 4)  # a and b join before any decode step: the model decides
-    first_decode = next(i for i, (pre, _) in enumerate(steps) if not pre)
-    joins = [g for pre, g in steps[first_decode:] if pre]  # c's prompt, beside b decoding
-    assert joins and all(g == (0 if decode_gamma == 0 else 4) for g in joins)
