@@ -249,23 +249,24 @@ def _pack_general(tokens_list: list[int], starts: list[int], lens: list[int], ta
         # two queries per request, the second a padding one for a decode step): fewer
         # kinds of batch for a compiled model to meet (each compiles a graph of its own).
         inputs.attention_groups = [
-            _two_or_more(replace(_pack(tokens_list[r0:r1], starts[a:z], lens[a:z], tables[a:z], bs, 1,
-                                       [0] * (z - a), grouped=False, min_q=2)[0],
-                                 single_request=False, mask=MaskKind.EXPLICIT))
+            _as_group(_pack(tokens_list[r0:r1], starts[a:z], lens[a:z], tables[a:z], bs, 1, [0] * (z - a),
+                            grouped=False, min_q=2)[0])
             for a, z, r0, r1 in ((0, cut, 0, rows), (cut, b, rows, t))
         ]
     return inputs, draft_index
 
 
-def _two_or_more(group: DecoderInputs) -> DecoderInputs:
-    """An attention group of one request as two: the request and a copy of its query and
+def _as_group(packed: DecoderInputs) -> DecoderInputs:
+    """A run of requests packed on its own, as an attention group: the general path
+    (explicit mask), and never one request. A lone request gets a copy of its query and
     key rows whose output nothing reads (``out_index`` maps the first copy's only).
 
     Compiled, a size of 1 gets a graph of its own (dynamo specialises sizes 0 and 1), so
     a group of one request beside a group of several was a new kind of batch for each
-    mix of 1s, met only when a prompt happened to join alone: a compile of 10-55 s
+    mix of 1s, met only when a prompt happened to join alone: a compile of up to 55 s
     inside a run (on the built-in target, 2-core AMD EPYC, n-gram at batch 4). The copy
     costs one more request's attention over the group's keys."""
+    group = replace(packed, single_request=False, mask=MaskKind.EXPLICIT)
     if group.q_index.shape[0] > 1:
         return group
     assert group.context_lengths is not None
