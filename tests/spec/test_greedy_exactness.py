@@ -233,9 +233,15 @@ def test_requests_join_and_leave(tiny_llama, generate, method, grouped, monkeypa
     from specdec.core import batch_processor
 
     cuts: list[int | None] = []
+    lone: list[bool] = []  # a cut that leaves one request alone (its group carries a copy of it)
     split = batch_processor.attention_split
-    monkeypatch.setattr(batch_processor, "attention_split",
-                        lambda lens, ctx: cuts.append(split(lens, ctx, min_saving=0) if grouped else None) or cuts[-1])
+
+    def cut(lens, ctx):
+        cuts.append(split(lens, ctx, min_saving=0) if grouped else None)
+        lone.append(cuts[-1] in (1, len(lens) - 1))
+        return cuts[-1]
+
+    monkeypatch.setattr(batch_processor, "attention_split", cut)
     target = _target(tiny_llama, "loopy")
     ps = _rand_prompts(1, 40)
     rng = random.Random(2)
@@ -251,6 +257,7 @@ def test_requests_join_and_leave(tiny_llama, generate, method, grouped, monkeypa
     assert max(engine.stats.step_batch_sizes) == 16
     assert [c.finish_reason for c in ctxs] == ["length"] * 40
     assert any(c is not None for c in cuts) == grouped
+    assert any(lone) == grouped
 
 
 @pytest.mark.parametrize("method", list(METHODS))
