@@ -46,7 +46,9 @@ class MaskKind(IntEnum):
     """Which attention mask a batch needs (key ``j`` is visible at position ``p`` iff ``j <= p``)."""
 
     NONE = 0  # one request, one query, keys exactly its context: it sees them all
-    CAUSAL = 1  # one request fed from position 0, keys exactly its context: plain causal
+    # Every request fed from position 0 (prompts with nothing cached): query i of a request
+    # sees its keys 0 … i, plain causal (keys past its context are read from its first slot).
+    CAUSAL = 1
     EXPLICIT = 2  # anything else: the mask is built from ``q_pos``
 
 

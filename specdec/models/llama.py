@@ -73,8 +73,13 @@ class PagedAttend:
         tree = inputs.tree_mask  # [B, Q, Q] or None: a token-tree step (DecoderInputs.tree_mask)
         if window is None and inputs.mask != MaskKind.EXPLICIT and tree is None:
             # NONE: one query that sees every gathered key, nothing to hide.
-            # CAUSAL: one request fed from 0: the gathered keys are its new rows, in order.
+            # CAUSAL: every request fed from 0: its gathered keys are its new rows, in order.
             self.causal = inputs.mask == MaskKind.CAUSAL
+            if self.causal and not self.single:  # prompts, each fed from 0: key j is its row j
+                key_pos = torch.arange(inputs.gather_slots.shape[1], device=inputs.q_pos.device)
+                # Past its context a request reads its own first slot (hidden by causality).
+                in_context = key_pos <= inputs.q_pos.amax(1, keepdim=True)  # [B, S]
+                self.slots = torch.where(in_context, inputs.gather_slots, inputs.gather_slots[:, :1])
             return
         s = inputs.gather_slots.shape[1]
         key_pos = torch.arange(s, device=inputs.q_pos.device)
@@ -120,8 +125,13 @@ class PagedAttend:
             return self.slots, None
         # Per new row: NaN and ±inf survive a sum (one fp32 reduction; isfinite().all() is ~15x slower on CPU).
         ok = (k.sum((1, 2), dtype=torch.float32) + v.sum((1, 2), dtype=torch.float32)).isfinite()  # [T]
-        if self.causal:  # key j is new row j; query i sees rows <= i
+        if self.causal and self.single:  # key j is new row j; query i sees rows <= i
             return torch.where(ok, self.slots, self.slots[:, :1]), (ok.cumprod(0) == 0).view(1, 1, -1, 1)
+        if self.causal:  # key j of request b is its row j (q_index[b, j], padding its last row)
+            q_index = self.inputs.q_index  # [B, Q], Q >= S
+            ok_q = ok.index_select(0, q_index.reshape(-1)).view(q_index.shape)  # [B, Q]
+            slots = torch.where(ok_q[:, : self.slots.shape[1]], self.slots, self.slots[:, :1])
+            return slots, (ok_q.cumprod(1) == 0).unsqueeze(1).unsqueeze(-1)  # [B, 1, Q, 1]
         inp = self.inputs
         seen = self.in_context.index_put((self.row_request, self.row_key), ok)  # [B, S] in context and finite
         poisoned = (self.mask > seen[:, None, None, :]).any(-1, keepdim=True)  # [B, 1, Q, 1] sees a bad row

@@ -323,6 +323,9 @@ def test_mask_kind_is_decided_on_the_host():
     fresh.tokens.append(6)
     both = p.prepare_initial_token_inputs([[fresh, other]]).inputs
     assert both.mask == MaskKind.EXPLICIT and not both.single_request
+    # Prompts only, each fed from 0: causal without a mask, however many.
+    prompts = p.prepare_initial_token_inputs([[_ctx("p1", [1, 2, 3], 0, cache), _ctx("p2", [4, 5], 0, cache)]]).inputs
+    assert prompts.mask == MaskKind.CAUSAL and not prompts.single_request
 
 
 def test_move_tensors_moves_every_tensor_field_and_nested_inputs():
@@ -356,18 +359,23 @@ def test_a_prompt_beside_decoding_requests_attends_in_its_own_group():
     inp = p.prepare_initial_token_inputs([decoding + [prompt]]).inputs
     assert inp.attention_groups is not None
     first, second = inp.attention_groups
-    # (decoding: one padding query; the prompt alone: a copy of it, so no group has one request)
-    assert first.q_index.shape == (3, 2) and second.q_index.shape == (2, 150)
-    assert first.gather_slots.shape == (3, 61) and second.gather_slots.shape == (2, 150)
-    assert torch.equal(second.q_index[0], second.q_index[1]) and torch.equal(second.q_pos[0], second.q_pos[1])
-    assert torch.equal(second.gather_slots[0], second.gather_slots[1])
-    assert second.out_index.max().item() < 150  # the copy's outputs are never read
-    assert not second.single_request and second.mask.name == "EXPLICIT"  # (the general path, one kind)
+    # (decoding: one padding query; the prompt alone: its causal fast path, no padding)
+    assert first.q_index.shape == (3, 2) and first.gather_slots.shape == (3, 61) and first.mask.name == "EXPLICIT"
+    assert second.single_request and second.mask.name == "CAUSAL" and second.q_index.shape == (1, 150)
     # The groups' rows, in order, are the batch's rows; each group's indices count from its own first row.
     for f in ("tokens", "positions", "slot_mapping"):
         assert torch.equal(torch.cat([getattr(first, f), getattr(second, f)]), getattr(inp, f)), f
     assert second.q_index[0].tolist() == list(range(150))
     assert first.gather_slots.tolist() == inp.gather_slots[:3, :61].tolist()
+    # A decoding request alone in its group gets a copy whose outputs nothing reads, so no
+    # group on the general path holds one request (a compiled graph specialises a size of 1).
+    d = _ctx("d", list(range(1, 60)), 58, cache)
+    fresh = [_ctx(f"q{i}", list(range(1, 151)), 0, cache) for i in range(2)]
+    lone, prompts = p.prepare_initial_token_inputs([[d] + fresh]).inputs.attention_groups
+    assert lone.q_index.shape == (2, 2) and not lone.single_request and lone.mask.name == "EXPLICIT"
+    assert torch.equal(lone.q_index[0], lone.q_index[1]) and torch.equal(lone.gather_slots[0], lone.gather_slots[1])
+    assert lone.out_index.tolist() == [0]  # the first copy's query only
+    assert prompts.q_index.shape == (2, 150) and prompts.mask.name == "CAUSAL" and not prompts.single_request
     # A batch of prompts alike stays one group.
     alike = [_ctx(f"a{i}", list(range(1, 30)), 0, cache) for i in range(4)]
     assert p.prepare_initial_token_inputs([alike]).inputs.attention_groups is None

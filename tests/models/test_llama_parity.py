@@ -136,11 +136,14 @@ def test_cached_decode_logits_parity(kind, tie, hf_checkpoint, hf_logits, pipeli
 
 
 @pytest.mark.parametrize("kind, tie", CASES)
-def test_decoding_requests_beside_a_prompt_in_attention_groups(kind, tie, hf_checkpoint, hf_logits, pipeline,
-                                                               monkeypatch):
-    """A step where three requests decode and a fourth feeds its prompt attends in two groups
+@pytest.mark.parametrize("decoding, groups", [(3, [3, 1]), (1, [2, 2])], ids=["lone-prompt", "lone-decoding"])
+def test_decoding_requests_beside_prompts_in_attention_groups(kind, tie, decoding, groups, hf_checkpoint, hf_logits,
+                                                              pipeline, monkeypatch):
+    """A step where some requests decode and others feed their prompts attends in two groups
     (``DecoderInputs.attention_groups``; forced here, the sizes are small): every row's logits
-    are transformers' own."""
+    are transformers' own. Three decoding beside one prompt: the prompt alone takes the causal
+    fast path. One decoding beside two prompts: it attends with a copy of itself, the prompts
+    causal without a mask."""
     from functools import partial
 
     from specdec.core import batch_processor
@@ -149,20 +152,21 @@ def test_decoding_requests_beside_a_prompt_in_attention_groups(kind, tie, hf_che
     path, hf = hf_checkpoint(kind, tie=tie)
     pm = pipeline(path)
     v = hf.config.vocab_size
-    prompts = [_tokens(11, 13, v), _tokens(12, 6, v), _tokens(13, 9, v), _tokens(14, 30, v)]
+    prompts = [_tokens(11, 13, v), _tokens(12, 6, v), _tokens(13, 9, v), _tokens(14, 30, v)][: decoding] + [
+        _tokens(16, 30, v), _tokens(17, 21, v)][: 4 - decoding - (decoding == 1)]
     ctxs = [_ctx(f"r{i}", p) for i, p in enumerate(prompts)]
     try:
-        pm.execute(pm.processor.prepare_initial_token_inputs([ctxs[:3]]))
-        for c, t in zip(ctxs, _tokens(15, 3, v)):
+        pm.execute(pm.processor.prepare_initial_token_inputs([ctxs[:decoding]]))
+        for c, t in zip(ctxs[:decoding], _tokens(15, 3, v)):
             c.tokens.append(t)
         batch = pm.processor.prepare_initial_token_inputs([ctxs], return_n_logits=2)
         assert batch.inputs.attention_groups is not None
-        assert [g.q_index.shape[0] for g in batch.inputs.attention_groups] == [3, 2]  # (the prompt and its copy)
+        assert [g.q_index.shape[0] for g in batch.inputs.attention_groups] == groups  # (copies included)
         out = pm.execute(batch)
     finally:
         _free(pm, ctxs)
     for i, c in enumerate(ctxs):
-        want = hf_logits(hf, c.tokens)[[max(len(c.tokens) - 2 + k, len(c.tokens) - 1 if i < 3 else 0)
+        want = hf_logits(hf, c.tokens)[[max(len(c.tokens) - 2 + k, len(c.tokens) - 1 if i < decoding else 0)
                                          for k in range(2)]]
         got = out.logits[out.logit_offsets[i] : out.logit_offsets[i + 1]]
         diff = (got - want).abs().max().item()
