@@ -491,8 +491,6 @@ class SpecDecodePipelineModel:
         self._full_gamma: tuple[int, CostCurve] | None = None  # (method γ, T_draft(B) there) when it differs
         # The batch adaptive γ last ran plain and the drafter's counts then: _still_plain.
         self._plain_for: tuple[list[TextContext], tuple[int, ...]] | None = None
-        # The γ adaptive γ chose at the last decode step of each batch size (_spec_step).
-        self._decode_gamma: dict[int, int] = {}
         # Decode steps' measured times by (batch size, γ chosen), for adaptive γ (gamma.StepTimes).
         # Not under torchrun: each rank would measure its own and could choose another γ.
         from specdec.dist.group import current
@@ -770,26 +768,13 @@ class SpecDecodePipelineModel:
         times.prefilling = bool(chunks) or max(unprocessed) > 1
         self.num_spec_steps += not times.prefilling
         self._step_gamma = 0
-        adaptive = self.config.gamma_policy.adaptive and not self.proposer.drafts_after_verify
-        if adaptive and not chunks and self._still_plain(batch):
-            if not times.prefilling:
-                self._decode_gamma[len(batch)] = 0
+        if (not chunks and self.config.gamma_policy.adaptive and not self.proposer.drafts_after_verify
+                and self._still_plain(batch)):
             return self._plain_step(batch, chunks, unprocessed, times.lap("draft_prepare", t))
         gammas = [self.gamma_for(c) for c in batch]
-        if adaptive and times.prefilling and len(batch) > 1 and self._decode_gamma.get(len(batch)) == 0:
-            # Prompts join a batch whose decode steps run plain: this step does too. Drafting
-            # here alone gives each request a few tokens once and leaves the batch's requests
-            # ending apart: their successors then join in more, smaller prefill steps, and the
-            # last ones drain with the batch part-empty. On the built-in pair, compiled, the
-            # n-gram at batch 16 (32 requests x 32 tokens) drafted only in its prompt steps,
-            # took as many steps a pass as plain decoding (64) and ran at 0.95-0.965 of it.
-            # (Not at batch 1: a lone request has no one to fall out of step with.)
-            gammas = [0] * len(batch)
-        elif self.config.gamma_policy.adaptive and max(gammas) > 0:
+        if self.config.gamma_policy.adaptive and max(gammas) > 0:
             g = self._step_gamma = self._policy_gamma(batch, gammas)
             gammas = [min(x, g) for x in gammas]
-            if adaptive and not times.prefilling:  # (a step whose requests may not draft says nothing)
-                self._decode_gamma[len(batch)] = g
         lens = [len(c.tokens) for c in batch]
         after = self.proposer.drafts_after_verify
         if after:  # the drafts the last step left in the store, as many as each request may verify

@@ -267,31 +267,3 @@ def test_adaptive_gamma_measures_decode_steps_and_follows_them(tiny_llama) -> No
                 slow.pipeline.step_times.record(b, g, 10.0 if g else 1.0)
     assert [o.token_ids for o in slow.generate(prompts, sp)] == plain
     assert slow.pipeline.stats().counts.proposed == 0
-
-
-def test_prompts_joining_a_batch_whose_decode_steps_run_plain_do_not_draft(tiny_llama) -> None:
-    """Drafting in a prompt step alone would leave the batch's requests ending apart (more,
-    smaller prefill steps after; a part-empty batch at the end), so where adaptive γ last ran
-    this batch size's decode steps plain, a step in which prompts join runs plain too. A lone
-    request has no one to fall out of step with: it drafts as the model says."""
-    prompts, sp = [[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=24, ignore_eos=True)
-    plain = [o.token_ids for o in LLM(tiny_llama(seed=0).path,
-                                      runtime=RuntimeConfig(max_batch_size=2, max_seq_len=96)).generate(prompts, sp)]
-
-    def prompt_step_drafts(batch: list[list[int]], decoded_plain_at: int | None) -> int:
-        llm = _adaptive(tiny_llama, explore_tokens=0)  # a flat cost model: speculation pays
-        if decoded_plain_at is not None:
-            llm.pipeline._decode_gamma[decoded_plain_at] = 0
-        steps = llm.generate_steps(batch, sp)
-        next(steps)  # the prompt step
-        proposed = llm.pipeline.stats().counts.proposed
-        with pytest.raises(StopIteration) as done:
-            while True:
-                next(steps)
-        assert [o.token_ids for o in done.value.value] == plain[: len(batch)]
-        assert llm.pipeline.stats().counts.proposed > proposed  # its decode steps draft
-        return proposed
-
-    assert prompt_step_drafts(prompts, None) > 0
-    assert prompt_step_drafts(prompts, 2) == 0
-    assert prompt_step_drafts(prompts[:1], 1) > 0
