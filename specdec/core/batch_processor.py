@@ -356,9 +356,9 @@ def _mask_kind(num_requests: int, num_tokens: int, last_start: int) -> MaskKind:
     """``last_start``: the most tokens any request has cached already.
     Causal wherever every request is fed from position 0: a query's keys are then
     its own request's rows up to it, which SDPA's ``is_causal`` hides without a
-    mask, skipping the blocks above the diagonal. (With an explicit mask, a step
-    of four 104-token prompts on the built-in target, compiled, spent 2.6x as long
-    in attention.)"""
+    mask, skipping the blocks above the diagonal. (On the built-in target, compiled,
+    one profile each: a layer's attention over two 104-token prompts took 309 µs with
+    an explicit mask, 253 causal; over three, 434 and 403.)"""
     if num_requests == 1 and num_tokens == 1:
         return MaskKind.NONE
     return MaskKind.CAUSAL if last_start == 0 else MaskKind.EXPLICIT
