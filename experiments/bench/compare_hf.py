@@ -313,19 +313,18 @@ def hf_batched(model: Any, prompts: list[list[int]], batch: int, new_tokens: int
                            do_sample=False, eos_token_id=None, pad_token_id=0).tolist()
 
 
-def until_no_new_graph(one_pass: Callable[[], object], max_passes: int = 3) -> int:
-    """Runs ``one_pass`` until a pass compiles no new graph (at most ``max_passes``); returns
-    the passes run. Speculation's batches vary from pass to pass (adaptive γ, requests out of
+def until_no_new_graph(one_pass: Callable[[], object], max_passes: int = 3) -> None:
+    """Runs ``one_pass`` until a pass compiles no new graph (at most ``max_passes``).
+    Speculation's batches vary from pass to pass (adaptive γ, requests out of
     step), so one warm-up pass can miss a kind of batch that a timed pass then meets: on the
     built-in pair at batch 4, three of seven timed n-gram passes compiled graphs of 2-3 s."""
     from torch._dynamo.utils import counters
 
-    for n in range(1, max_passes + 1):
+    for _ in range(max_passes):
         before = counters["stats"]["unique_graphs"]
         one_pass()
         if counters["stats"]["unique_graphs"] == before:
-            return n
-    return max_passes
+            return
 
 
 def sweep_point(cfg: CompareConfig, llms: dict[str, LLM], hf_t: Any, ps: list[list[int]], b: int,

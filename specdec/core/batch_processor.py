@@ -245,10 +245,9 @@ def _pack_general(tokens_list: list[int], starts: list[int], lens: list[int], ta
     cut = attention_split(ln, ctx_len) if grouped else None
     if cut is not None:
         rows = int(offset[cut])
-        # Each group takes the general path (an explicit mask unless it is all prompts, even
-        # for one request; at least two queries per request, the second a padding one for a
-        # decode step): fewer kinds of batch for a compiled model to meet (each compiles a
-        # graph of its own).
+        # Groups pad to at least two queries per request (the second a padding one for a
+        # decode step) and take the general path unless a lone prompt (_as_group): fewer
+        # kinds of batch for a compiled model to meet (each compiles a graph of its own).
         inputs.attention_groups = [
             _as_group(_pack(tokens_list[r0:r1], starts[a:z], lens[a:z], tables[a:z], bs, 1, [0] * (z - a),
                             grouped=False, min_q=2)[0])
@@ -275,8 +274,8 @@ def _as_group(packed: DecoderInputs) -> DecoderInputs:
     if packed.single_request and packed.mask == MaskKind.CAUSAL:
         return packed
     # (Prompts stay causal: a copy of a request fed from 0 is one too.)
-    group = replace(packed, single_request=False, mask=MaskKind.CAUSAL if packed.mask == MaskKind.CAUSAL
-                    else MaskKind.EXPLICIT)
+    causal = packed.mask == MaskKind.CAUSAL
+    group = replace(packed, single_request=False, mask=MaskKind.CAUSAL if causal else MaskKind.EXPLICIT)
     if group.q_index.shape[0] > 1:
         return group
     assert group.context_lengths is not None

@@ -76,10 +76,7 @@ class PagedAttend:
             # CAUSAL: every request fed from 0: its gathered keys are its new rows, in order.
             self.causal = inputs.mask == MaskKind.CAUSAL
             if self.causal and not self.single:  # prompts, each fed from 0: key j is its row j
-                key_pos = torch.arange(inputs.gather_slots.shape[1], device=inputs.q_pos.device)
-                # Past its context a request reads its own first slot (hidden by causality).
-                in_context = key_pos <= inputs.q_pos.amax(1, keepdim=True)  # [B, S]
-                self.slots = torch.where(in_context, inputs.gather_slots, inputs.gather_slots[:, :1])
+                self.slots = self._own_context(inputs)[1]  # (past it: hidden by causality)
             return
         s = inputs.gather_slots.shape[1]
         key_pos = torch.arange(s, device=inputs.q_pos.device)
@@ -99,11 +96,17 @@ class PagedAttend:
             q_rope = key_rope.gather(1, inputs.q_pos)  # [B, Q]
             mask &= key_rope.unsqueeze(1) > (q_rope - window).unsqueeze(-1)
         self.mask = mask.unsqueeze(1)  # [B, 1, Q, S]
-        self.in_context = key_pos <= inputs.q_pos.amax(1, keepdim=True)  # [B, S]
-        # Past its context a request reads its own first slot (written, and masked there).
-        self.slots = torch.where(self.in_context, inputs.gather_slots, inputs.gather_slots[:, :1])
+        self.in_context, self.slots = self._own_context(inputs)  # (past it: masked)
         # One row per request (decode): its only query sees all its new keys, nothing to hide per row.
         self.per_row = inputs.q_index.shape[1] > 1
+
+    @staticmethod
+    def _own_context(inputs: DecoderInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``[B, S]`` key within the request's context, ``[B, S]`` slots to gather): past its
+        context a request reads its own first slot (written, so finite) instead."""
+        key_pos = torch.arange(inputs.gather_slots.shape[1], device=inputs.q_pos.device)
+        in_context = key_pos <= inputs.q_pos.amax(1, keepdim=True)
+        return in_context, torch.where(in_context, inputs.gather_slots, inputs.gather_slots[:, :1])
 
     @staticmethod
     def _tree_visible(tree: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
@@ -125,14 +128,11 @@ class PagedAttend:
             return self.slots, None
         # Per new row: NaN and ±inf survive a sum (one fp32 reduction; isfinite().all() is ~15x slower on CPU).
         ok = (k.sum((1, 2), dtype=torch.float32) + v.sum((1, 2), dtype=torch.float32)).isfinite()  # [T]
-        if self.causal and self.single:  # key j is new row j; query i sees rows <= i
-            return torch.where(ok, self.slots, self.slots[:, :1]), (ok.cumprod(0) == 0).view(1, 1, -1, 1)
         if self.causal:  # key j of request b is its row j (q_index[b, j], padding its last row)
-            q_index = self.inputs.q_index  # [B, Q], Q >= S
+            q_index = self.inputs.q_index  # [B, Q], Q >= S (one request: [1, T], its rows in order)
             ok_q = ok.index_select(0, q_index.reshape(-1)).view(q_index.shape)  # [B, Q]
             slots = torch.where(ok_q[:, : self.slots.shape[1]], self.slots, self.slots[:, :1])
             return slots, (ok_q.cumprod(1) == 0).unsqueeze(1).unsqueeze(-1)  # [B, 1, Q, 1]
-        inp = self.inputs
         seen = self.in_context.index_put((self.row_request, self.row_key), ok)  # [B, S] in context and finite
         poisoned = (self.mask > seen[:, None, None, :]).any(-1, keepdim=True)  # [B, 1, Q, 1] sees a bad row
         return torch.where(seen, self.slots, self.slots[:, :1]), poisoned

@@ -233,7 +233,7 @@ def test_requests_join_and_leave(tiny_llama, generate, method, grouped, monkeypa
     from specdec.core import batch_processor
 
     cuts: list[int | None] = []
-    lone: list[bool] = []  # a cut that leaves one request alone (its group carries a copy of it)
+    lone: list[bool] = []  # a cut that leaves one request alone (a lone prompt's fast path, or a copy)
     split = batch_processor.attention_split
 
     def cut(lens, ctx):
