@@ -36,32 +36,37 @@
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));  // 16 floats: one zmm, or two ymm
-
-typedef uint32_t u16x __attribute__((vector_size(64)));  // 16 x 32 bits: two bfloat16 each
-
-inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
-inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
-inline v16 bits(u16x u) { v16 v; std::memcpy(&v, &u, sizeof v); return v; }
-
+// One vector register of floats, as wide as the CPU's: a zmm (16 lanes) with AVX-512, else a
+// ymm (8). Vectors wider than the registers would be lowered through the stack — on an AVX2
+// CPU tuned for 128-bit ops (AMD Zen 1) that ran the whole kernel at ~4 GFLOP/s, 4-14x below
+// MKL's sgemm. The lane count changes no result: every lane is its own chain of sums.
 #ifdef __AVX512F__
-constexpr int C = 4, RB = 6;  // 6 x 4 accumulators + 4 weights + 1 broadcast: 29 of 32 zmm
+constexpr int L = 16;
+constexpr int C = 4, RB = 6;  // 6 x 4 accumulators + 2 weights + broadcasts: within 32 zmm
 #else
-constexpr int C = 2, RB = 3;  // AVX2: 3 x 2 x 2 accumulators + 4 weights: 16 ymm
+constexpr int L = 8;
+constexpr int C = 4, RB = 3;  // 3 x 4 accumulators + 2 weights + 1 broadcast: 15 of 16 ymm
 #endif
-constexpr int P = 16 * C;  // panel width: output columns per panel
+constexpr int P = L * C;  // panel width: output columns per panel (32 with AVX2, 64 with AVX-512)
 
-// One k's P weights of a panel, as C vectors of 16 floats (columns 16c .. 16c + 15).
-inline void weights(const float* wk, v16 (&wv)[C]) {
-  for (int c = 0; c < C; ++c) wv[c] = load16(wk + 16 * c);
+typedef float vf __attribute__((vector_size(4 * L)));
+typedef uint32_t vu __attribute__((vector_size(4 * L)));  // L x 32 bits: two bfloat16 each
+
+inline vf loadv(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf bits(vu u) { vf v; std::memcpy(&v, &u, sizeof v); return v; }
+
+// The P weights of one k, as C vectors of L floats (columns L*c .. L*c + L-1).
+inline void weights(const float* wk, vf (&wv)[C]) {
+  for (int c = 0; c < C; ++c) wv[c] = loadv(wk + L * c);
 }
-// bfloat16 panels pair their columns: 32-bit word j of 32 columns' block holds column j in its
-// low half and column 16 + j in its high half (pack's order). A bfloat16 is a float32's top
-// half, so a shift and a mask give the two vectors of floats exactly, with no shuffles.
-inline void weights(const at::BFloat16* wk, v16 (&wv)[C]) {
+// bfloat16 panels pair their columns: 32-bit word j of each block of 2L columns holds column j
+// in its low half and column L + j in its high half (pack's order). A bfloat16 is a float32's
+// top half, so a shift and a mask give the two vectors of floats exactly, with no shuffles.
+inline void weights(const at::BFloat16* wk, vf (&wv)[C]) {
   for (int c = 0; c < C; c += 2) {
-    u16x u;
-    std::memcpy(&u, wk + 16 * c, sizeof u);
+    vu u;
+    std::memcpy(&u, wk + L * c, sizeof u);
     wv[c] = bits(u << 16);
     wv[c + 1] = bits(u & 0xFFFF0000u);
   }
@@ -70,13 +75,13 @@ inline void weights(const at::BFloat16* wk, v16 (&wv)[C]) {
 // y[r, 0:P] = b[0:P] + sum_k x[r, k] * wp[k, 0:P] for r < R, k in order.
 template <int R, typename W>
 inline void block(const float* x, int64_t K, const W* wp, const float* b, float* y, int64_t ldy) {
-  v16 acc[R][C];
+  vf acc[R][C];
   for (int c = 0; c < C; ++c) {
-    const v16 bv = b ? load16(b + 16 * c) : v16{};
+    const vf bv = b ? loadv(b + L * c) : vf{};
     for (int r = 0; r < R; ++r) acc[r][c] = bv;
   }
   for (int64_t k = 0; k < K; ++k) {
-    v16 wv[C];
+    vf wv[C];
     weights(wp + k * P, wv);
     for (int r = 0; r < R; ++r) {
       const float xs = x[r * K + k];
@@ -84,7 +89,7 @@ inline void block(const float* x, int64_t K, const W* wp, const float* b, float*
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) store16(y + r * ldy + 16 * c, acc[r][c]);
+    for (int c = 0; c < C; ++c) storev(y + r * ldy + L * c, acc[r][c]);
 }
 
 at::Tensor pack(const at::Tensor& w) {
@@ -95,8 +100,8 @@ at::Tensor pack(const at::Tensor& w) {
   at::Tensor padded = at::zeros({np * P, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
   at::Tensor panels = padded.view({np, P, K}).transpose(1, 2);  // [np, K, P]
-  if (w.scalar_type() == at::kBFloat16)  // pair column j with column 16 + j in each block of 32
-    panels = panels.reshape({np, K, P / 32, 2, 16}).transpose(3, 4).reshape({np, K, P});
+  if (w.scalar_type() == at::kBFloat16)  // pair column j with column L + j in each block of 2L
+    panels = panels.reshape({np, K, P / (2 * L), 2, L}).transpose(3, 4).reshape({np, K, P});
   return panels.contiguous();
 }
 
@@ -171,11 +176,12 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
     for (int64_t r = lo; r < hi; ++r) {
       const float* xr = xp + r * d;
       float* yr = yp + r * d;
-      v16 acc = {};
+      vf acc[16 / L] = {};  // sum j (mod 16) in lane j: the same 16 sums at any vector width
       int64_t i = 0;
-      for (; i + 16 <= d; i += 16) { const v16 v = load16(xr + i); acc += v * v; }
+      for (; i + 16 <= d; i += 16)
+        for (int h = 0; h < 16 / L; ++h) { const vf v = loadv(xr + i + L * h); acc[h] += v * v; }
       float lanes[16];
-      store16(lanes, acc);
+      for (int h = 0; h < 16 / L; ++h) storev(lanes + L * h, acc[h]);
       for (; i < d; ++i) lanes[i % 16] += xr[i] * xr[i];
       for (int s = 8; s >= 1; s /= 2)
         for (int j = 0; j < s; ++j) lanes[j] += lanes[j + s];
