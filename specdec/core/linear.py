@@ -16,6 +16,8 @@ torch's CPU wheel). Two kernels, by ``runtime.cpu_linear``:
   0.25-0.30 ms against 0.64-0.97 as float32, and its bare compiled one-token
   forward 1.0 ms against 2.05: target and drafter (19 + 5.5 MB) now fit the L3
   together.
+  On a 2-core AMD EPYC (Zen 1, AVX2) its one-row 768 x 256 product takes 20 us,
+  MKL's 32; 100 rows 0.76 ms against 0.66.
 - ``onednn``: oneDNN's runtime-sized kernel (weights packed for any batch),
   which also computes each row in the same order whatever the number of rows.
   It serves bfloat16, and float32 where our kernel could not be built.
