@@ -50,6 +50,7 @@ constexpr int L = 8;
 constexpr int C = 4, RB = 3;
 #endif
 constexpr int P = L * C;  // panel width: output columns per panel (32 with AVX2, 64 with AVX-512)
+static_assert(C % 2 == 0, "bfloat16 panels pair vectors: C must be even");
 
 typedef float vf __attribute__((vector_size(4 * L)));
 typedef uint32_t vu __attribute__((vector_size(4 * L)));  // L x 32 bits: two bfloat16 each
