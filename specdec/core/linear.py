@@ -206,10 +206,16 @@ class RMSNorm(nn.Module):
 
 def pack_layers(module: nn.Module, kernel: str = "specdec") -> int:
     """Packs every :class:`Linear` (and, for "specdec", :class:`RMSNorm`) in ``module`` for
-    ``kernel`` (see :meth:`Linear.pack` and the module docstring); the number of linears packed."""
+    ``kernel`` (see :meth:`Linear.pack` and the module docstring); the number of linears packed.
+    For "specdec" it also sets ``attention_kernel`` on every submodule that declares one (the
+    decoders over a paged cache), so their float32 CPU attention runs our kernel too."""
     for m in module.modules():
         if isinstance(m, RMSNorm):
             m.pack(kernel)
+        if hasattr(type(m), "attention_kernel"):
+            w = next(m.parameters(), None)
+            own = kernel == "specdec" and w is not None and row_kernel_serves(w.device, w.dtype)
+            m.attention_kernel = "specdec" if own else None
     return sum(m.pack(kernel) for m in module.modules() if isinstance(m, Linear))
 
 

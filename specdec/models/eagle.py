@@ -181,6 +181,7 @@ class EagleHead(RopeTables, DecoderModule):
     """What both heads share: the target's borrowed modules, rope, the paged forward."""
 
     config_cls = EagleHeadConfig
+    attention_kernel: str | None = None  # "specdec": our CPU attention kernel (set by pack_layers)
     # A published EAGLE-1 file may carry the target's embedding: it is not read.
     strict_state_dict_loading = False
 
@@ -247,10 +248,10 @@ class EagleHead(RopeTables, DecoderModule):
         assert inputs.kv_cache is not None, "DecoderInputs.kv_cache is required"
         cos, sin = self.rope_for(inputs.positions)
         check = feature.device.type == "cpu" and not torch.compiler.is_compiling()
-        attend = paged_attend(inputs, inputs.kv_cache, None, isolate_rows=not check)
+        attend = paged_attend(inputs, inputs.kv_cache, None, isolate_rows=not check, kernel=self.attention_kernel)
         h = self.step(inputs.tokens, feature, cos, sin, attend)
         if check and attend.rows_meet and not bool(torch.isfinite(h.sum())):  # see LlamaDecoder.forward
-            attend = paged_attend(inputs, inputs.kv_cache, None)
+            attend = paged_attend(inputs, inputs.kv_cache, None, kernel=self.attention_kernel)
             h = self.step(inputs.tokens, feature, cos, sin, attend)
         h = h[inputs.logit_index]
         return h, self.target_logits(h)

@@ -58,13 +58,24 @@ class PagedAttend:
     (``isolate_rows``) is the costly part (about 15% of a verification forward
     on CPU), so an eager CPU forward runs without it and again with it only
     when some row went non-finite (see ``LlamaDecoder.forward``).
+
+    Two kernels attend. SDPA over gathered copies of the keys and values, or,
+    with ``kernel="specdec"`` on a float32 CPU cache (head_dim a multiple of
+    16), ``specdec_cpu::paged_attention``: each row reads its visible keys by
+    slot straight from the cache (skipping the rest, so the substitution above
+    costs nothing there) and sums them in one fixed order, so a verified row
+    gets the bits it gets decoded alone. On a 2-core AMD EPYC (Zen 1) it took
+    the built-in target's one-token forward at context 120 from 8.6 to 7.0 ms
+    eager and 3.0 to 2.55 compiled.
     """
 
     def __init__(self, inputs: DecoderInputs, cache: KVCacheTensors, window: int | None,
-                 isolate_rows: bool = True) -> None:
+                 isolate_rows: bool = True, kernel: str | None = None) -> None:
         self.inputs = inputs
         self.isolate_rows = isolate_rows
         self.cache = cache
+        # Our CPU kernel (specdec_cpu::paged_attention) reads keys and values by slot, no gathered copy.
+        self.own_kernel = kernel == "specdec" and cache.k.device.type == "cpu" and cache.k.dtype == torch.float32
         self.single = inputs.single_request  # one request: no packing
         self.causal = False
         self.mask: torch.Tensor | None = None
@@ -151,21 +162,27 @@ class PagedAttend:
             self.cache.v[layer].index_copy_(0, inp.slot_mapping, v)
         kc, vc = self.cache.k[layer], self.cache.v[layer]  # [slots, Hkv, D]
         slots, poisoned = self._hide(k, v)
-        b, n_keys = slots.shape
-        flat = slots.reshape(-1)  # index_select: far faster than advanced indexing on CPU
-        keys = kc.index_select(0, flat).view(b, n_keys, *kc.shape[1:]).transpose(1, 2)  # [B, Hkv, S, D]
-        vals = vc.index_select(0, flat).view(b, n_keys, *vc.shape[1:]).transpose(1, 2)
         if self.single:
             qp = q.unsqueeze(0)  # [1, T, H, D]
         else:
             qp = q.index_select(0, inp.q_index.reshape(-1)).view(*inp.q_index.shape, *q.shape[1:])  # [B, Q, H, D]
-        out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), keys, vals, attn_mask=self.mask, is_causal=self.causal, enable_gqa=True
-        )  # [B, H, Q, D]
-        if poisoned is not None:
-            out = out.masked_fill(poisoned, float("nan"))
-        b, h, nq, d = out.shape
-        out = out.transpose(1, 2).reshape(b * nq, h * d)
+        if self.own_kernel and q.shape[-1] % 16 == 0:
+            out = torch.ops.specdec_cpu.paged_attention.default(
+                qp, kc, vc, slots, self.mask, self.causal, q.shape[-1] ** -0.5)  # [B, Q, H, D]
+            if poisoned is not None:
+                out = out.masked_fill(poisoned.transpose(1, 2), float("nan"))  # [B, Q, 1, 1]
+        else:
+            b, n_keys = slots.shape
+            flat = slots.reshape(-1)  # index_select: far faster than advanced indexing on CPU
+            keys = kc.index_select(0, flat).view(b, n_keys, *kc.shape[1:]).transpose(1, 2)  # [B, Hkv, S, D]
+            vals = vc.index_select(0, flat).view(b, n_keys, *vc.shape[1:]).transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                qp.transpose(1, 2), keys, vals, attn_mask=self.mask, is_causal=self.causal, enable_gqa=True
+            ).transpose(1, 2)  # [B, Q, H, D]
+            if poisoned is not None:
+                out = out.masked_fill(poisoned.transpose(1, 2), float("nan"))
+        b, nq, h, d = out.shape
+        out = out.reshape(b * nq, h * d)
         return out if self.single else out.index_select(0, inp.out_index)  # [T, H*D]
 
 
@@ -191,11 +208,12 @@ class GroupedAttend:
 
 
 def paged_attend(inputs: DecoderInputs, cache: KVCacheTensors, window: int | None,
-                 isolate_rows: bool = True) -> PagedAttend | GroupedAttend:
-    """The paged attention of one forward: in the packer's groups when it made any."""
+                 isolate_rows: bool = True, kernel: str | None = None) -> PagedAttend | GroupedAttend:
+    """The paged attention of one forward: in the packer's groups when it made any.
+    ``kernel="specdec"``: our CPU kernel where it serves (float32 CPU cache), else SDPA."""
     if inputs.attention_groups:
-        return GroupedAttend([PagedAttend(g, cache, window, isolate_rows) for g in inputs.attention_groups])
-    return PagedAttend(inputs, cache, window, isolate_rows)
+        return GroupedAttend([PagedAttend(g, cache, window, isolate_rows, kernel) for g in inputs.attention_groups])
+    return PagedAttend(inputs, cache, window, isolate_rows, kernel)
 
 
 class DenseCausalAttend:
@@ -344,6 +362,7 @@ class LlamaDecoder(RopeTables, DecoderModule):
     """A Llama-family causal LM over a paged KV cache."""
 
     config_cls = LlamaConfig
+    attention_kernel: str | None = None  # "specdec": our CPU attention kernel (set by pack_layers)
     supports_data_parallel = True  # stateless between steps: replicas just split the batch
     # Tensor parallelism (styles: specdec/dist/tensor_parallel.py): heads and MLP columns split,
     # row-parallel o_proj / down_proj summed by an all-reduce, vocabulary-parallel embedding and head.
@@ -406,11 +425,11 @@ class LlamaDecoder(RopeTables, DecoderModule):
         # went NaN or inf stays so to the last layer, so the final states tell.
         check = x.device.type == "cpu" and not torch.compiler.is_compiling()
         attend = paged_attend(inputs, inputs.kv_cache, self.config.sliding_window,
-                              isolate_rows=inputs.isolate_rows and not check)
+                              isolate_rows=inputs.isolate_rows and not check, kernel=self.attention_kernel)
         rows = None if inputs.all_hidden else inputs.logit_index  # where captured layers are kept
         h, aux = self._layers(x, cos, sin, attend, inputs.capture_layers, rows)
         if check and attend.rows_meet and not bool(torch.isfinite(h.sum())):
-            attend = paged_attend(inputs, inputs.kv_cache, self.config.sliding_window)
+            attend = paged_attend(inputs, inputs.kv_cache, self.config.sliding_window, kernel=self.attention_kernel)
             h, aux = self._layers(x, cos, sin, attend, inputs.capture_layers, rows)
         aux_t = torch.cat(aux, dim=-1) if aux else None
         hl = h[inputs.logit_index]  # [N, d]

@@ -3,7 +3,8 @@
 :func:`cpu_kernels_available` builds ``cpu.cpp`` (torch's extension builder, a few
 seconds, once: the library is cached under torch's extensions folder, ``$TORCH_EXTENSIONS_DIR``
 or ``~/.cache/torch_extensions``) and loads it, which registers the float32 CPU ops
-``torch.ops.specdec_cpu.row_linear`` (with ``row_linear_pack``) and ``rms_norm``. The build is for this CPU
+``torch.ops.specdec_cpu.row_linear`` (with ``row_linear_pack``), ``rms_norm`` and
+``paged_attention``. The build is for this CPU
 (``-march=native``), so its name carries a digest of the source, the flags, torch's version
 and the CPU's model and feature flags: another CPU, or an edited source, builds afresh.
 Where no compiler or OpenMP is at hand it returns False, with a warning, and the callers
@@ -62,5 +63,10 @@ def cpu_kernels_available() -> bool:
     @torch.library.register_fake("specdec_cpu::rms_norm")
     def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("specdec_cpu::paged_attention")
+    def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+          mask: torch.Tensor | None, causal: bool, scale: float) -> torch.Tensor:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     return True

@@ -3,7 +3,9 @@
 // row_linear — the models' linear layer (runtime.cpu_linear=specdec), on weights from
 // row_linear_pack;
 // rms_norm — RMSNorm over the last dim, one pass a row (torch's eager rms_norm is a chain of
-// half a dozen ops on CPU: ~25 us a call against ~2 here, 21 calls a forward).
+// half a dozen ops on CPU: ~25 us a call against ~2 here, 21 calls a forward);
+// paged_attention — one layer's attention over the paged KV cache: each query row reads its
+// request's keys and values by slot, straight from the cache (no gathered copy).
 //
 // row_linear:
 //
@@ -33,6 +35,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -218,16 +221,193 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return y;
 }
 
+
+// paged_attention: for each request b, query row i and head h (kv head h / (H / Hkv)):
+//
+//   s_j = scale * (q . k_j)      over the keys j row i sees, in key order
+//   out = sum_j exp(s_j - m) v_j / sum_j exp(s_j - m),   m = max_j s_j
+//
+// Keys a row does not see (mask false, or j > i under causal) are skipped, not added as
+// exp(-inf) = 0: a row's result is a function of the keys it sees alone, computed the same
+// way whatever else is in the batch — a token verified among gamma + 1 rows gets the bits it
+// gets decoded alone, at any thread count. Each dot product is 16 running sums (dim d in sum
+// d mod 16) added up in a fixed tree, exp is one polynomial (Cephes' expf), the denominator is
+// 16 running sums the same way: the same bits with 8- or 16-float vectors. A row that sees no
+// key gets zeros (as torch's SDPA gives a fully masked row).
+
+typedef int32_t vi __attribute__((vector_size(4 * L)));
+
+inline vf splat(float x) { return vf{} + x; }
+
+// exp(x) lane by lane, ~1 ulp (Cephes' expf); NaN stays NaN, x below -87.3 gives ~1e-38.
+inline vf vexp(vf x) {
+  const vf lo = splat(-87.3365478515625f), hi = splat(88.3762626647949f);
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vf n = (x * splat(1.44269504088896341f) + magic) - magic;
+  vf r = x - n * splat(0.693359375f);
+  r = r - n * splat(-2.12194440e-4f);
+  vf y = splat(1.9875691500e-4f);
+  y = y * r + splat(1.3981999507e-3f);
+  y = y * r + splat(8.3334519073e-3f);
+  y = y * r + splat(4.1665795894e-2f);
+  y = y * r + splat(1.6666665459e-1f);
+  y = y * r + splat(5.0000001201e-1f);
+  y = y * (r * r) + r + splat(1.0f);
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;  // 2^n
+  vf scale2;
+  std::memcpy(&scale2, &e, sizeof scale2);
+  return y * scale2;
+}
+
+// 16 running sums (as two 8-float vectors with AVX2, one 16-float with AVX-512) and their
+// total in a fixed tree: lane j + lane j + 8, then j + 4, j + 2, j + 1 — in registers.
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+struct Sum16 {
+  vf a[16 / L] = {};
+  void add(const float* p, const float* q) {  // a[lane] += p[lane] * q[lane] for 16 lanes
+    for (int h = 0; h < 16 / L; ++h) a[h] += loadv(p + L * h) * loadv(q + L * h);
+  }
+  void add(const float* p) {  // a[lane] += p[lane]
+    for (int h = 0; h < 16 / L; ++h) a[h] += loadv(p + L * h);
+  }
+  float total() const {
+#ifdef __AVX512F__
+    const v8 t = __builtin_shufflevector(a[0], a[0], 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(a[0], a[0], 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    const v8 t = a[0] + a[1];
+#endif
+    const v4 u = __builtin_shufflevector(t, t, 0, 1, 2, 3) + __builtin_shufflevector(t, t, 4, 5, 6, 7);
+    return (u[0] + u[2]) + (u[1] + u[3]);
+  }
+};
+
+// One query row of one head: q [D] against the n keys at offsets off[] of kc/vc; y [D].
+template <int DT>
+void attend_row(const float* q, const float* kc, const float* vc, const int64_t* off, int64_t n,
+                int64_t Drt, float scale, float* sc, float* y) {
+  const int64_t D = DT ? DT : Drt;
+  if (n == 0) {
+    std::memset(y, 0, sizeof(float) * D);
+    return;
+  }
+  float m = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) {
+    Sum16 acc;
+    const float* k = kc + off[t];
+    for (int64_t d = 0; d < D; d += 16) acc.add(q + d, k + d);
+    sc[t] = acc.total() * scale;
+    if (sc[t] > m) m = sc[t];
+  }
+  const int64_t nv = (n + 15) / 16 * 16;  // sc has room for it
+  for (int64_t t = 0; t < nv; t += L) storev(sc + t, vexp(loadv(sc + t) - splat(m)));
+  for (int64_t t = n; t < nv; ++t) sc[t] = 0.0f;  // (adds nothing to the sums below)
+  Sum16 den;  // exp(s_j - m) in sum j mod 16
+  for (int64_t t = 0; t < nv; t += 16) den.add(sc + t);
+  const float l = den.total();
+  constexpr int NV = DT ? DT / L : 1;
+  vf acc[NV] = {};
+  if constexpr (DT != 0) {
+    for (int64_t t = 0; t < n; ++t) {
+      const float* v = vc + off[t];
+      const vf p = splat(sc[t]);
+      for (int c = 0; c < NV; ++c) acc[c] += p * loadv(v + L * c);
+    }
+    const vf inv = splat(1.0f / l);
+    for (int c = 0; c < NV; ++c) storev(y + L * c, acc[c] * inv);
+  } else {
+    std::memset(y, 0, sizeof(float) * D);
+    for (int64_t t = 0; t < n; ++t) {
+      const float* v = vc + off[t];
+      const vf p = splat(sc[t]);
+      for (int64_t d = 0; d < D; d += L) storev(y + d, loadv(y + d) + p * loadv(v + d));
+    }
+    const vf inv = splat(1.0f / l);
+    for (int64_t d = 0; d < D; d += L) storev(y + d, loadv(y + d) * inv);
+  }
+}
+
+// q [B, Q, H, D], k_cache / v_cache [slots, Hkv, D], slots [B, S] (the cache slot of each
+// request's key j), mask [B, 1, Q, S] bool (true: seen) or none -> [B, Q, H, D].
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& slots, const std::optional<at::Tensor>& mask, bool causal,
+                           double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
+                  q.size(3) == k_cache.size(2) && q.size(3) % 16 == 0 && k_cache.size(1) > 0 &&
+                  q.size(2) % k_cache.size(1) == 0,
+              "specdec::paged_attention: want float32 q [B, Q, H, D] and caches [slots, Hkv, D] (D a multiple "
+              "of 16, Hkv dividing H), got q ", q.sizes(), " ", q.scalar_type(), ", caches ", k_cache.sizes(),
+              " and ", v_cache.sizes());
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == q.size(0) && slots.scalar_type() == at::kLong,
+              "specdec::paged_attention: slots must be int64 [B, S] for q ", q.sizes(), ", got ", slots.sizes());
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "specdec::paged_attention: caches must be contiguous");
+  const int64_t B = q.size(0), Q = q.size(1), H = q.size(2), D = q.size(3), S = slots.size(1);
+  const int64_t Hkv = k_cache.size(1), G = H / Hkv, nslots = k_cache.size(0);
+  const at::Tensor qc = q.contiguous(), sl = slots.contiguous();
+  const int64_t* sp = sl.const_data_ptr<int64_t>();
+  for (int64_t j = 0; j < B * S; ++j)
+    TORCH_CHECK(sp[j] >= 0 && sp[j] < nslots, "specdec::paged_attention: slot ", sp[j], " outside the cache's ",
+                nslots);
+  at::Tensor mc;
+  const bool* mp = nullptr;
+  if (mask.has_value() && mask->defined()) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->numel() == B * Q * S,
+                "specdec::paged_attention: mask must be bool [B, 1, Q, S] = [", B, ", 1, ", Q, ", ", S, "], got ",
+                mask->sizes());
+    mc = mask->contiguous();
+    mp = mc.const_data_ptr<bool>();
+  }
+  at::Tensor y = at::empty({B, Q, H, D}, qc.options());
+  const float* qp = qc.const_data_ptr<float>();
+  const float *kp = k_cache.const_data_ptr<float>(), *vp = v_cache.const_data_ptr<float>();
+  float* yp = y.mutable_data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const int64_t rows = B * Q, grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, S * D * H));
+  at::parallel_for(0, rows, grain, [&](int64_t lo, int64_t hi) {
+    std::vector<int64_t> off(S);
+    std::vector<float> buf((S + 15) / 16 * 16);
+    for (int64_t u = lo; u < hi; ++u) {
+      // Rows in the order 0, R-1, 1, R-2, ...: each thread's share of a causal prompt (later
+      // rows see more keys) holds early and late rows alike.
+      const int64_t r = u % 2 ? rows - 1 - u / 2 : u / 2;
+      const int64_t b = r / Q, i = r % Q, last = causal ? std::min(S, i + 1) : S;
+      const bool* mrow = mp ? mp + r * S : nullptr;
+      for (int64_t h = 0; h < H; ++h) {
+        int64_t n = 0;
+        const int64_t head = (h / G) * D;
+        for (int64_t j = 0; j < last; ++j)
+          if (!mrow || mrow[j]) off[n++] = sp[b * S + j] * Hkv * D + head;
+        const float* qr = qp + (r * H + h) * D;
+        float* yr = yp + (r * H + h) * D;
+        if (D == 64)
+          attend_row<64>(qr, kp, vp, off.data(), n, D, sc, buf.data(), yr);
+        else if (D == 128)
+          attend_row<128>(qr, kp, vp, off.data(), n, D, sc, buf.data(), yr);
+        else
+          attend_row<0>(qr, kp, vp, off.data(), n, D, sc, buf.data(), yr);
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specdec_cpu, m) {
   m.def("row_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("row_linear_pack(Tensor weight) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor? mask, bool causal, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec_cpu, CPU, m) {
   m.impl("row_linear", row_linear);
   m.impl("row_linear_pack", pack);
   m.impl("rms_norm", rms_norm);
+  m.impl("paged_attention", paged_attention);
 }
