@@ -169,8 +169,6 @@ class PagedAttend:
         if self.own_kernel and q.shape[-1] % 16 == 0:
             out = torch.ops.specdec_cpu.paged_attention.default(
                 qp, kc, vc, slots, self.mask, self.causal, q.shape[-1] ** -0.5)  # [B, Q, H, D]
-            if poisoned is not None:
-                out = out.masked_fill(poisoned.transpose(1, 2), float("nan"))  # [B, Q, 1, 1]
         else:
             b, n_keys = slots.shape
             flat = slots.reshape(-1)  # index_select: far faster than advanced indexing on CPU
@@ -179,8 +177,8 @@ class PagedAttend:
             out = F.scaled_dot_product_attention(
                 qp.transpose(1, 2), keys, vals, attn_mask=self.mask, is_causal=self.causal, enable_gqa=True
             ).transpose(1, 2)  # [B, Q, H, D]
-            if poisoned is not None:
-                out = out.masked_fill(poisoned.transpose(1, 2), float("nan"))
+        if poisoned is not None:
+            out = out.masked_fill(poisoned.transpose(1, 2), float("nan"))  # [B, Q, 1, 1]
         b, nq, h, d = out.shape
         out = out.reshape(b * nq, h * d)
         return out if self.single else out.index_select(0, inp.out_index)  # [T, H*D]

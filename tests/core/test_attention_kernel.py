@@ -147,3 +147,18 @@ def test_pack_layers_gives_a_cpu_decoder_the_kernel_and_its_forward_keeps_sdpa_s
     a = attend(0, q, k, v)
     b = PagedAttend(inputs, caches[0], None)(0, q, k, v)
     assert torch.allclose(a, b, atol=2e-6) and not torch.equal(a, b)
+
+
+def test_compiled_it_is_one_opaque_call_with_the_same_bits():
+    """In a compiled graph (dynamic shapes, Inductor's C++ wrapper) the op runs as it does eager."""
+    from specdec.core.pipeline_model import compile_function
+
+    def attend(q, kc, vc, slots, mask):
+        return _op(q * 0.5, kc, vc, slots, mask) + 1  # (exact arithmetic around it: Inductor and ATen agree)
+
+    fn = compile_function(attend, torch.device("cpu"))
+    with torch.inference_mode():
+        for b, nq, s in ((2, 3, 20), (3, 5, 33), (1, 2, 9)):
+            g, q, kc, vc, slots = _case(b, nq, s, 4, 2, 16, seed=b)
+            mask = torch.rand(b, 1, nq, s, generator=g) < 0.7
+            assert torch.equal(fn(q, kc, vc, slots, mask), attend(q, kc, vc, slots, mask)), (b, nq, s)
