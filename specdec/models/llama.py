@@ -75,7 +75,8 @@ class PagedAttend:
         self.isolate_rows = isolate_rows
         self.cache = cache
         # Our CPU kernel (specdec_cpu::paged_attention) reads keys and values by slot, no gathered copy.
-        self.own_kernel = kernel == "specdec" and cache.k.device.type == "cpu" and cache.k.dtype == torch.float32
+        self.own_kernel = (kernel == "specdec" and cache.k.device.type == "cpu" and cache.k.dtype == torch.float32
+                           and cache.k.shape[-1] % 16 == 0)
         self.single = inputs.single_request  # one request: no packing
         self.causal = False
         self.mask: torch.Tensor | None = None
@@ -166,7 +167,7 @@ class PagedAttend:
             qp = q.unsqueeze(0)  # [1, T, H, D]
         else:
             qp = q.index_select(0, inp.q_index.reshape(-1)).view(*inp.q_index.shape, *q.shape[1:])  # [B, Q, H, D]
-        if self.own_kernel and q.shape[-1] % 16 == 0:
+        if self.own_kernel:
             out = torch.ops.specdec_cpu.paged_attention.default(
                 qp, kc, vc, slots, self.mask, self.causal, q.shape[-1] ** -0.5)  # [B, Q, H, D]
         else:

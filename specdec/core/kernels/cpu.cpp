@@ -188,6 +188,32 @@ at::Tensor row_linear(const at::Tensor& x, const at::Tensor& packed, const std::
   return Np == N ? y : y.narrow(1, 0, N).contiguous();
 }
 
+// 16 running sums (as two 8-float vectors with AVX2, one 16-float with AVX-512) and their
+// total in a fixed tree: lane j + lane j + 8, then j + 4, j + 2, j + 1 — in registers.
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+struct Sum16 {
+  vf a[16 / L] = {};
+  void add(const float* p, const float* q) {  // a[lane] += p[lane] * q[lane] for 16 lanes
+    for (int h = 0; h < 16 / L; ++h) a[h] += loadv(p + L * h) * loadv(q + L * h);
+  }
+  void add(const float* p) {  // a[lane] += p[lane]
+    for (int h = 0; h < 16 / L; ++h) a[h] += loadv(p + L * h);
+  }
+  void add_at(int lane, float v) { a[lane / L][lane % L] += v; }
+  float total() const {
+#ifdef __AVX512F__
+    const v8 t = __builtin_shufflevector(a[0], a[0], 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(a[0], a[0], 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    const v8 t = a[0] + a[1];
+#endif
+    const v4 u = __builtin_shufflevector(t, t, 0, 1, 2, 3) + __builtin_shufflevector(t, t, 4, 5, 6, 7);
+    return (u[0] + u[2]) + (u[1] + u[3]);
+  }
+};
+
 // y[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)), each row alone: 16 running sums of squares
 // over the row in order, added up in a fixed tree.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -205,16 +231,11 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
     for (int64_t r = lo; r < hi; ++r) {
       const float* xr = xp + r * d;
       float* yr = yp + r * d;
-      vf acc[16 / L] = {};  // sum j (mod 16) in lane j: the same 16 sums at any vector width
+      Sum16 acc;  // sum j (mod 16) in lane j: the same 16 sums at any vector width
       int64_t i = 0;
-      for (; i + 16 <= d; i += 16)
-        for (int h = 0; h < 16 / L; ++h) { const vf v = loadv(xr + i + L * h); acc[h] += v * v; }
-      float lanes[16];
-      for (int h = 0; h < 16 / L; ++h) storev(lanes + L * h, acc[h]);
-      for (; i < d; ++i) lanes[i % 16] += xr[i] * xr[i];
-      for (int s = 8; s >= 1; s /= 2)
-        for (int j = 0; j < s; ++j) lanes[j] += lanes[j + s];
-      const float inv = 1.0f / std::sqrt(lanes[0] / static_cast<float>(d) + static_cast<float>(eps));
+      for (; i + 16 <= d; i += 16) acc.add(xr + i, xr + i);
+      for (; i < d; ++i) acc.add_at(static_cast<int>(i % 16), xr[i] * xr[i]);
+      const float inv = 1.0f / std::sqrt(acc.total() / static_cast<float>(d) + static_cast<float>(eps));
       for (int64_t j = 0; j < d; ++j) yr[j] = wp[j] * (xr[j] * inv);
     }
   });
@@ -260,31 +281,6 @@ inline vf vexp(vf x) {
   std::memcpy(&scale2, &e, sizeof scale2);
   return y * scale2;
 }
-
-// 16 running sums (as two 8-float vectors with AVX2, one 16-float with AVX-512) and their
-// total in a fixed tree: lane j + lane j + 8, then j + 4, j + 2, j + 1 — in registers.
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
-struct Sum16 {
-  vf a[16 / L] = {};
-  void add(const float* p, const float* q) {  // a[lane] += p[lane] * q[lane] for 16 lanes
-    for (int h = 0; h < 16 / L; ++h) a[h] += loadv(p + L * h) * loadv(q + L * h);
-  }
-  void add(const float* p) {  // a[lane] += p[lane]
-    for (int h = 0; h < 16 / L; ++h) a[h] += loadv(p + L * h);
-  }
-  float total() const {
-#ifdef __AVX512F__
-    const v8 t = __builtin_shufflevector(a[0], a[0], 0, 1, 2, 3, 4, 5, 6, 7) +
-                 __builtin_shufflevector(a[0], a[0], 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-    const v8 t = a[0] + a[1];
-#endif
-    const v4 u = __builtin_shufflevector(t, t, 0, 1, 2, 3) + __builtin_shufflevector(t, t, 4, 5, 6, 7);
-    return (u[0] + u[2]) + (u[1] + u[3]);
-  }
-};
 
 // One query row of one head: q [D] against the n keys at offsets off[] of kc/vc; y [D].
 template <int DT>
