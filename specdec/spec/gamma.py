@@ -49,6 +49,21 @@ the model's cost ratio for that γ there. Logged on the built-in pair, compiled,
 batch 4: γ = 1 steps of the n-gram took 5.24 ms against 3.22 ms for plain steps
 (1.63x) where the forwards alone predicted about 1.3x; its γ = 1 steps there lost,
 and the sweep's n-gram ran at 0.93 of plain decoding.
+
+Tried on 2026-12-06 and not kept (built-in pair, compiled, 2-core AMD EPYC Zen 1, 32
+requests x 32 tokens at batch 4, half of each pass their prefills): the n-gram's γ = 1
+steps emitted 5.77 tokens for 4 requests where the model expected 6.22 (its first draft
+is its least likely: one acceptance rate for every position overrates γ = 1), at 1.46x a
+plain step: break-even (0.79 against 0.80 tokens per ms). Scaling the expected tokens by
+what measured steps at (B, γ) emitted over what the model expected of them turned that γ
+off, but cut the n-gram at batch 1 from 1.31x to 1.06x plain (the same sweep before and
+after; its A/A 0.99 in both): only requests rated high enough were measured (their
+estimates err high), the scale fell, more requests went plain and, drafting nothing,
+never showed better. Per-position acceptance (pipeline-wide rates
+for the first, second, ... draft) would fix the model without that loop; not built.
+Neither plain prefill steps (no drafts in a step with a new prompt) nor ``min_gain`` 0.10
+or 0.15 moved batch 4 past the noise: every variant read 0.97-0.99 of plain there, an
+A/A run of plain against plain 0.98-1.00 in the same passes.
 """
 
 from __future__ import annotations
