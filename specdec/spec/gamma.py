@@ -59,8 +59,8 @@ what measured steps at (B, γ) emitted over what the model expected of them turn
 off, but cut the n-gram at batch 1 from 1.31x to 1.06x plain (the same sweep before and
 after; its A/A 0.99 in both): only requests rated high enough were measured (their
 estimates err high), the scale fell, more requests went plain and, drafting nothing,
-never showed better. Per-position acceptance (pipeline-wide rates
-for the first, second, ... draft) would fix the model without that loop; not built.
+never showed better. Per-position acceptance (pipeline-wide rates for the first, second,
+... draft) would fix the model without that loop; not built.
 Neither plain prefill steps (no drafts in a step with a new prompt) nor ``min_gain`` 0.10
 or 0.15 moved batch 4 past the noise: every variant read 0.97-0.99 of plain there, an
 A/A run of plain against plain 0.98-1.00 in the same passes.
