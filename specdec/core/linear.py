@@ -212,11 +212,42 @@ def pack_layers(module: nn.Module, kernel: str = "specdec") -> int:
     for m in module.modules():
         if isinstance(m, RMSNorm):
             m.pack(kernel)
+        if hasattr(m, "after_pack"):  # a module that gathers packed weights (LlamaDecoder's C++ stack)
+            m.after_pack()
         if hasattr(type(m), "attention_kernel"):
             w = next(m.parameters(), None)
             own = kernel == "specdec" and w is not None and row_kernel_serves(w.device, w.dtype)
             m.attention_kernel = "specdec" if own else None
-    return sum(m.pack(kernel) for m in module.modules() if isinstance(m, Linear))
+    linears = [m for m in module.modules() if isinstance(m, Linear)]
+    n = sum(m.pack(kernel) for m in linears)
+    _into_one_arena([m for m in linears if m.kernel == "specdec"])
+    return n
+
+
+def _into_one_arena(linears: list[Linear]) -> None:
+    """Moves the packed weights of ``linears`` into one block of memory on huge pages
+    (``specdec_cpu::huge_empty``), in module order, the layers' fused projections first (the
+    parts of a fused layer, which the forward does not call, after them). A decode step reads
+    them all from DRAM in turn: on 4 KiB pages each 4 KiB was a TLB miss and a stop for the
+    CPU's prefetchers. The values do not change, only where they live."""
+    if not linears:
+        return
+    fused = {m.weight.untyped_storage().data_ptr() for m in linears if "weight" in m._buffers}
+    part = [m for m in linears if "weight" not in m._buffers and m.weight.untyped_storage().data_ptr() in fused]
+    order = [m for m in linears if m not in part] + part
+    offsets, total = [], 0
+    for m in order:
+        assert m.packed is not None
+        total = -(-total // 64) * 64  # each weight on a cache line of its own
+        offsets.append(total)
+        total += m.packed.numel() * m.packed.element_size()
+    arena = torch.ops.specdec_cpu.huge_empty(total)
+    for m, off in zip(order, offsets):
+        p = m.packed
+        assert p is not None
+        view = arena[off : off + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+        view.copy_(p)
+        m.packed = view
 
 
 def register_compiled_lowering() -> None:

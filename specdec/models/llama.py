@@ -206,6 +206,29 @@ class GroupedAttend:
         return torch.cat(outs)
 
 
+def _native_layers(module: LlamaDecoder, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   groups: list[PagedAttend], capture: tuple[int, ...], rows: torch.Tensor | None,
+                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """:meth:`LlamaDecoder._layers` as one ``specdec_cpu::decoder_layers`` call
+    (``specdec/core/kernels/cpu.cpp``): each layer's norms, projections, rope, cache
+    writes, attention over ``groups`` and residuals in C++, in the eager loop's order."""
+    weights, biases, dims, eps = module._native_weights()  # type: ignore[misc]
+    cache = groups[0].cache
+    scale = dims[2] ** -0.5
+    h, seen = torch.ops.specdec_cpu.decoder_layers.default(
+        x, cos, sin, cache.k, cache.v, weights, biases, dims, eps, module.model.norm.weight,
+        [g.inputs.slot_mapping for g in groups], [g.slots for g in groups], [g.mask for g in groups],
+        [f for g in groups for f in (int(g.causal), int(g.single))],
+        [g.inputs.q_index for g in groups], [g.inputs.out_index for g in groups],
+        [g.inputs.positions.shape[0] for g in groups], scale, list(capture), rows)
+    return h, list(seen)
+
+
+# Traced (a compiled graph around a decoder's call), the call runs as it is, between two graphs:
+# the same bits as eager, never a traced copy of the loop.
+_native_layers_traced = torch.compiler.disable(_native_layers)
+
+
 def paged_attend(inputs: DecoderInputs, cache: KVCacheTensors, window: int | None,
                  isolate_rows: bool = True, kernel: str | None = None) -> PagedAttend | GroupedAttend:
     """The paged attention of one forward: in the packer's groups when it made any.
@@ -344,7 +367,8 @@ class RopeTables(nn.Module):
             self.rope_cos = emb.cos().to(device=positions.device, dtype=dtype)
             self.rope_sin = emb.sin().to(device=positions.device, dtype=dtype)
             self._rope_len = n
-        return self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+        # (index_select: the rows ``table[positions]`` gives, at a third of its eager cost)
+        return self.rope_cos.index_select(0, positions).unsqueeze(1), self.rope_sin.index_select(0, positions).unsqueeze(1)
 
     def rope_for(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of ``positions`` [T]; after :meth:`ensure_rope`, without a host sync."""
@@ -397,7 +421,14 @@ class LlamaDecoder(RopeTables, DecoderModule):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Runs every layer; returns the final-norm output and, for each layer in
         ``capture``, its input at ``rows`` ([N, d] each; ``capture`` may name
-        ``num_layers``: the last layer's output before the final norm)."""
+        ``num_layers``: the last layer's output before the final norm).
+
+        On our CPU kernels the whole stack is one C++ call (:meth:`_native_layers`)
+        where it computes what the loop below computes, bit for bit."""
+        groups = self._native_groups(attend, x)
+        if groups is not None:
+            run = _native_layers_traced if torch.compiler.is_compiling() else _native_layers
+            return run(self, x, cos, sin, groups, capture, rows)
         # (A list filled by position, not a dict keyed by layer: dynamo mis-traced the
         # dict, a KeyError that sent the whole compiled forward back to eager.)
         seen: list[torch.Tensor | None] = [None] * len(capture)
@@ -408,6 +439,58 @@ class LlamaDecoder(RopeTables, DecoderModule):
             if layer is not None:
                 x = layer(x, cos, sin, attend)
         return self.model.norm(x), [h for h in seen if h is not None]
+
+    @property
+    def runs_natively(self) -> bool:
+        """Whether its layer stack runs as one C++ call (``specdec_cpu::decoder_layers``; see
+        :meth:`_layers`). Compiling such a module buys nothing (``compile_decoder`` leaves it
+        be), and a compiled graph around its calls would only break at that call."""
+        return self._native_weights() is not None
+
+    def after_pack(self) -> None:
+        """Called by ``pack_layers``: what :meth:`_native_weights` gathered is stale."""
+        self._native = None
+
+    def _native_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[int], float] | None:
+        """The operands of ``specdec_cpu::decoder_layers`` (weights, biases, dims, eps),
+        gathered once after packing; None where it does not serve this module: a layer
+        not packed for our kernels (or not fused), Qwen3's q/k norms, tensor parallelism."""
+        if getattr(self, "_native", None) is not None:
+            return self._native or None
+        weights: list[torch.Tensor] = []
+        biases: list[torch.Tensor | None] = []
+        eps = {self.model.norm.eps}
+        ok = self.attention_kernel == "specdec" and self.model.norm.kernel == "specdec"
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            lins = (a.qkv, a.o_proj, m.gate_up, m.down_proj)
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            ok = ok and not a.qk_norm and a.reduce is None and m.reduce is None \
+                and all(lin is not None and lin.kernel == "specdec" for lin in lins) \
+                and all(n.kernel == "specdec" for n in norms)
+            if not ok:
+                break
+            eps |= {n.eps for n in norms}
+            weights += [norms[0].weight, lins[0].packed, lins[1].packed, norms[1].weight, lins[2].packed,
+                        lins[3].packed]
+            biases += [lin.bias for lin in lins]
+        a0 = self.model.layers[0].self_attn if len(self.model.layers) else None
+        ok = ok and a0 is not None and len(eps) == 1
+        self._native = (weights, biases, [a0.n_heads, a0.n_kv, a0.head_dim, self.config.intermediate_size,
+                                          len(self.model.layers)], eps.pop()) if ok else ()
+        return self._native or None
+
+    def _native_groups(self, attend: Attend, x: torch.Tensor) -> list[PagedAttend] | None:
+        """The attention groups :meth:`_layers` hands to the C++ stack, or None where the
+        Python loop runs: no packed weights, gradients, another attention, or a forward that
+        hides each row's non-finite new keys (PagedAttend._hide reads them between layers)."""
+        if x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
+            return None
+        groups = attend.groups if isinstance(attend, GroupedAttend) else [attend]
+        if not all(isinstance(g, PagedAttend) and g.own_kernel and not (g.isolate_rows and g.rows_meet)
+                   for g in groups):
+            return None
+        return groups if self._native_weights() is not None else None
 
     def forward(self, inputs: DecoderInputs) -> DecoderOutputs:
         """Packed ragged forward over the paged cache in ``inputs.kv_cache``."""

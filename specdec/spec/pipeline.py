@@ -185,8 +185,10 @@ class DraftAndVerify(nn.Module):
         # again for every shape kind a batch meets (mask kinds, attention groups, ragged
         # drafts), which the target's own graphs share with plain and prefill steps. Fused
         # at every batch size, an n-gram's first batch-4 pass compiled for 385 s, not 101.
+        # (Not for a target whose layers run as one C++ call: see LlamaDecoder.runs_natively.)
         self.target_verify_chain = (compile_method(self, type(self)._target_verify_chain, compile_on)
-                                    if compile_on is not None and not drafts_after_verify else None)
+                                    if compile_on is not None and not drafts_after_verify
+                                    and not getattr(target, "runs_natively", False) else None)
         # Compiled on a CPU, a chain drafted before the step is verified by a target forward
         # that does not hide each row's non-finite new keys from the rows before it
         # (DecoderInputs.isolate_rows: the built-in target's bare 5-token compiled forward

@@ -26,13 +26,14 @@
 // At one row it streams the weights once (the decode step is a read of every weight);
 // at many rows each panel stays in cache while the rows pass over it.
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -123,6 +124,21 @@ at::Tensor pack(const at::Tensor& w) {
   if (w.scalar_type() == at::kBFloat16)  // pair column j with column L + j in each block of 2L
     panels = panels.reshape({np, K, P / (2 * L), 2, L}).transpose(3, 4).reshape({np, K, P});
   return panels.contiguous();
+}
+
+// An uninitialised uint8 CPU tensor of ``nbytes`` on 2 MiB-aligned memory the kernel is asked to
+// back with transparent huge pages (madvise; a hint: where THP is off it is plain memory). The
+// packed weights of a model live in one (pack_layers): a decode step streams them from DRAM,
+// and on 4 KiB pages every 4 KiB is a TLB miss and a stop for the hardware prefetcher.
+at::Tensor huge_empty(int64_t nbytes) {
+  constexpr size_t H = size_t{1} << 21;
+  const size_t n = (static_cast<size_t>(std::max<int64_t>(nbytes, 1)) + H - 1) / H * H;
+  void* p = std::aligned_alloc(H, n);
+  TORCH_CHECK(p != nullptr, "specdec::huge_empty: could not allocate ", n, " bytes");
+#ifdef MADV_HUGEPAGE
+  madvise(p, n, MADV_HUGEPAGE);
+#endif
+  return at::from_blob(p, {nbytes}, [](void* q) { std::free(q); }, at::TensorOptions().dtype(at::kByte));
 }
 
 // block<R> for R = rows < RB, known only at run time (none for 0).
@@ -291,8 +307,18 @@ void attend_row(const float* q, const float* kc, const float* vc, const int64_t*
     std::memset(y, 0, sizeof(float) * D);
     return;
   }
+  // The keys and values sit wherever their slots put them, usually out of cache (a decode
+  // step's weights pass through it between layers): fetch a few keys ahead of the dot products.
+  constexpr int64_t KA = 8;
+  const int64_t lines = static_cast<int64_t>(sizeof(float)) * D / 64;
+  for (int64_t t = 0; t < std::min(n, KA); ++t)
+    for (int64_t c = 0; c < lines; ++c) __builtin_prefetch(kc + off[t] + 16 * c, 0, 3);
   float m = -INFINITY;
   for (int64_t t = 0; t < n; ++t) {
+    if (t + KA < n)
+      for (int64_t c = 0; c < lines; ++c) __builtin_prefetch(kc + off[t + KA] + 16 * c, 0, 3);
+    else if (t + KA - n < n)  // the first values, while the last keys are summed
+      for (int64_t c = 0; c < lines; ++c) __builtin_prefetch(vc + off[t + KA - n] + 16 * c, 0, 3);
     Sum16 acc;
     const float* k = kc + off[t];
     for (int64_t d = 0; d < D; d += 16) acc.add(q + d, k + d);
@@ -309,6 +335,8 @@ void attend_row(const float* q, const float* kc, const float* vc, const int64_t*
   vf acc[NV] = {};
   if constexpr (DT != 0) {
     for (int64_t t = 0; t < n; ++t) {
+      if (t + KA < n)
+        for (int64_t c = 0; c < lines; ++c) __builtin_prefetch(vc + off[t + KA] + 16 * c, 0, 3);
       const float* v = vc + off[t];
       const vf p = splat(sc[t]);
       for (int c = 0; c < NV; ++c) acc[c] += p * loadv(v + L * c);
@@ -363,33 +391,175 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const float *kp = k_cache.const_data_ptr<float>(), *vp = v_cache.const_data_ptr<float>();
   float* yp = y.mutable_data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  const int64_t rows = B * Q, grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, S * D * H));
-  at::parallel_for(0, rows, grain, [&](int64_t lo, int64_t hi) {
+  // Threads take (row, head) pairs: a one-token decode step (one row) splits its heads too,
+  // and its gathers from the cache, latency-bound, overlap on two threads (the built-in
+  // target's one-token forward: ~0.1 ms of 2.5 on a 2-core Zen 1). Each pair is computed alone.
+  const int64_t rows = B * Q, grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, S * D));
+  at::parallel_for(0, rows * H, grain, [&](int64_t lo, int64_t hi) {
     std::vector<int64_t> off(S);
     std::vector<float> buf((S + 15) / 16 * 16);
-    for (int64_t u = lo; u < hi; ++u) {
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t u = w / H;
       // Rows in the order 0, R-1, 1, R-2, ...: each thread's share of a causal prompt (later
       // rows see more keys) holds early and late rows alike.
       const int64_t r = u % 2 ? rows - 1 - u / 2 : u / 2;
       const int64_t b = r / Q, i = r % Q, last = causal ? std::min(S, i + 1) : S;
       const bool* mrow = mp ? mp + r * S : nullptr;
-      for (int64_t h = 0; h < H; ++h) {
-        int64_t n = 0;
-        const int64_t head = (h / G) * D;
-        for (int64_t j = 0; j < last; ++j)
-          if (!mrow || mrow[j]) off[n++] = sp[b * S + j] * Hkv * D + head;
-        const float* qr = qp + (r * H + h) * D;
-        float* yr = yp + (r * H + h) * D;
-        if (D == 64)
-          attend_row<64>(qr, kp, vp, off.data(), n, D, sc, buf.data(), yr);
-        else if (D == 128)
-          attend_row<128>(qr, kp, vp, off.data(), n, D, sc, buf.data(), yr);
-        else
-          attend_row<0>(qr, kp, vp, off.data(), n, D, sc, buf.data(), yr);
-      }
+      const int64_t h = w % H;
+      int64_t n = 0;
+      const int64_t head = (h / G) * D;
+      for (int64_t j = 0; j < last; ++j)
+        if (!mrow || mrow[j]) off[n++] = sp[b * S + j] * Hkv * D + head;
+      const float* qr = qp + (r * H + h) * D;
+      float* yr = yp + (r * H + h) * D;
+      if (D == 64)
+        attend_row<64>(qr, kp, vp, off.data(), n, D, sc, buf.data(), yr);
+      else if (D == 128)
+        attend_row<128>(qr, kp, vp, off.data(), n, D, sc, buf.data(), yr);
+      else
+        attend_row<0>(qr, kp, vp, off.data(), n, D, sc, buf.data(), yr);
     }
   });
   return y;
+}
+
+
+// decoder_layers: a Llama decoder's layer stack, one call for the whole stack, computing
+// what LlamaDecoder._layers computes eagerly on these kernels (row_linear, rms_norm,
+// paged_attention; ATen's own silu), in the same order and with the same roundings, so
+// its results are the same bits: only the ~15 calls a layer from Python are gone. Each
+// layer, for rows x [T, d]:
+//
+//   h = rms_norm(x); qkv = h W_qkv^T (+ b); rope on q and k: qk * cos + rotate_half(qk) * sin
+//   (two products and a sum, each rounded: no fused multiply-add); write k, v to the layer's
+//   cache slots; attention per group of rows; x = x + o_proj(attn)
+//   h = rms_norm(x); [gate, up] = h W_gu^T (+ b); x = x + down(silu(gate) * up)
+//
+// and after the last layer the final rms_norm. ``capture`` lists layers whose input x (at
+// ``rows`` when given) is returned as well (layer L: the last layer's output).
+
+// a * b + c * d with both products rounded to float before the sum, as separate eager
+// multiplications and an addition give (-ffp-contract=fast would fuse one product into an FMA).
+__attribute__((optimize("fp-contract=off"))) void rope_rows(const float* qk, int64_t ld, const float* cos,
+                                                            const float* sin, int64_t T, int64_t heads, int64_t D,
+                                                            float* out) {
+  const int64_t half = D / 2;
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = cos + t * D;
+    const float* s = sin + t * D;
+    for (int64_t j = 0; j < heads; ++j) {
+      const float* x = qk + t * ld + j * D;
+      float* y = out + (t * heads + j) * D;
+      for (int64_t e = 0; e < half; ++e) {
+        const float a = x[e] * c[e], b = -x[e + half] * s[e];
+        y[e] = a + b;
+      }
+      for (int64_t e = half; e < D; ++e) {
+        const float a = x[e] * c[e], b = x[e - half] * s[e];
+        y[e] = a + b;
+      }
+    }
+  }
+}
+
+std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
+    const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+    at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef dims, double eps,
+    const at::Tensor& final_norm, at::TensorList slot_mapping, at::TensorList slots,
+    const c10::List<std::optional<at::Tensor>>& masks, at::IntArrayRef flags, at::TensorList q_index,
+    at::TensorList out_index, at::IntArrayRef group_rows, double scale, at::IntArrayRef capture,
+    const std::optional<at::Tensor>& rows) {
+  TORCH_CHECK(dims.size() == 5, "specdec::decoder_layers: dims = [H, Hkv, D, intermediate, layers]");
+  const int64_t H = dims[0], Hkv = dims[1], D = dims[2], F = dims[3], L = dims[4];
+  const int64_t T = x_in.size(0), d = x_in.size(1), G = static_cast<int64_t>(group_rows.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 6 * L && static_cast<int64_t>(biases.size()) == 4 * L,
+              "specdec::decoder_layers: want 6 weights and 4 biases a layer for ", L, " layers, got ",
+              weights.size(), " and ", biases.size());
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.numel() == T * D && sin.numel() == T * D,
+              "specdec::decoder_layers: want float32 x [T, d] and contiguous cos/sin [T, 1, D], got x ",
+              x_in.sizes(), ", cos ", cos.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == L && k_cache.size(2) == Hkv && k_cache.size(3) == D &&
+                  k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous(),
+              "specdec::decoder_layers: caches must be contiguous [", L, ", slots, ", Hkv, ", ", D, "], got ",
+              k_cache.sizes());
+  TORCH_CHECK(static_cast<int64_t>(slot_mapping.size()) == G && static_cast<int64_t>(slots.size()) == G &&
+                  static_cast<int64_t>(masks.size()) == G && static_cast<int64_t>(flags.size()) == 2 * G &&
+                  static_cast<int64_t>(q_index.size()) == G && static_cast<int64_t>(out_index.size()) == G,
+              "specdec::decoder_layers: every attention group needs slot_mapping, slots, mask, flags and indices");
+  int64_t total = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    TORCH_CHECK(slot_mapping[g].scalar_type() == at::kLong && slot_mapping[g].numel() == group_rows[g],
+                "specdec::decoder_layers: group ", g, "'s slot_mapping must be int64 [", group_rows[g], "]");
+    total += group_rows[g];
+  }
+  TORCH_CHECK(total == T, "specdec::decoder_layers: the groups hold ", total, " rows, x has ", T);
+  const int64_t nslots = k_cache.size(1), kv_row = Hkv * D, qk_heads = H + Hkv, qkv_out = (H + 2 * Hkv) * D;
+  for (int64_t g = 0; g < G; ++g) {
+    const at::Tensor sm = slot_mapping[g].contiguous();
+    const int64_t* sp = sm.const_data_ptr<int64_t>();
+    for (int64_t i = 0; i < sm.numel(); ++i)
+      TORCH_CHECK(sp[i] >= 0 && sp[i] < nslots, "specdec::decoder_layers: slot ", sp[i], " outside the cache's ",
+                  nslots);
+  }
+  std::vector<at::Tensor> maps(G);
+  for (int64_t g = 0; g < G; ++g) maps[g] = slot_mapping[g].contiguous();
+  const float* cp = cos.const_data_ptr<float>();
+  const float* snp = sin.const_data_ptr<float>();
+  std::vector<at::Tensor> seen(capture.size());
+  auto keep = [&](int64_t layer, const at::Tensor& x) {  // (copies: x is updated in place below)
+    for (size_t c = 0; c < capture.size(); ++c)
+      if (capture[c] == layer) seen[c] = rows.has_value() && rows->defined() ? x.index_select(0, *rows) : x.clone();
+  };
+  at::Tensor x = x_in.clone(at::MemoryFormat::Contiguous);  // the residual stream (x_in stays: a rerun reads it)
+  for (int64_t l = 0; l < L; ++l) {
+    keep(l, x);
+    const at::Tensor* w = &weights[6 * l];
+    auto bias = [&](int i) { return biases.get(4 * l + i); };
+    at::Tensor h = rms_norm(x, w[0], eps);
+    const at::Tensor qkv = row_linear(h, w[1], bias(0), qkv_out);  // [T, (H + 2 Hkv) D]
+    at::Tensor qk = at::empty({T, qk_heads, D}, x.options());
+    rope_rows(qkv.const_data_ptr<float>(), qkv_out, cp, snp, T, qk_heads, D, qk.mutable_data_ptr<float>());
+    // This layer's keys and values into the cache, by slot (k: rows H.. of qk; v: after q, k in qkv).
+    float* kc = k_cache.mutable_data_ptr<float>() + l * nslots * kv_row;
+    float* vc = v_cache.mutable_data_ptr<float>() + l * nslots * kv_row;
+    const float* qkp = qk.const_data_ptr<float>();
+    const float* qkvp = qkv.const_data_ptr<float>();
+    int64_t start = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t* sp = maps[g].const_data_ptr<int64_t>();
+      for (int64_t i = 0; i < group_rows[g]; ++i) {
+        const int64_t t = start + i;
+        std::memcpy(kc + sp[i] * kv_row, qkp + (t * qk_heads + H) * D, sizeof(float) * kv_row);
+        std::memcpy(vc + sp[i] * kv_row, qkvp + t * qkv_out + qk_heads * D, sizeof(float) * kv_row);
+      }
+      start += group_rows[g];
+    }
+    const at::Tensor kl = k_cache.select(0, l), vl = v_cache.select(0, l);
+    std::vector<at::Tensor> outs;
+    start = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t n = group_rows[g];
+      const at::Tensor q = qk.narrow(0, start, n).narrow(1, 0, H);  // [n, H, D]
+      const bool causal = flags[2 * g] != 0, single = flags[2 * g + 1] != 0;
+      const at::Tensor qp = single ? q.unsqueeze(0)
+                                   : q.index_select(0, q_index[g].reshape(-1)).view({q_index[g].size(0),
+                                                                                     q_index[g].size(1), H, D});
+      at::Tensor out = paged_attention(qp, kl, vl, slots[g], masks.get(g), causal, scale);
+      out = out.reshape({out.size(0) * out.size(1), H * D});
+      outs.push_back(single ? out : out.index_select(0, out_index[g]));
+      start += n;
+    }
+    const at::Tensor attn = G == 1 ? outs[0] : at::cat(outs);
+    x.add_(row_linear(attn.contiguous(), w[2], bias(1), d));  // (a sum is a sum: in place or not)
+    h = rms_norm(x, w[3], eps);
+    const at::Tensor gu = row_linear(h, w[4], bias(2), 2 * F);  // [T, 2F]: gate, then up
+    at::Tensor act = at::silu(gu.narrow(1, 0, F));  // ATen's silu on the same view as F.silu's: its bits
+    act.mul_(gu.narrow(1, F, F));
+    x.add_(row_linear(act, w[5], bias(3), d));
+  }
+  keep(L, x);
+  return {rms_norm(x, final_norm, eps), seen};
 }
 
 }  // namespace
@@ -397,13 +567,21 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 TORCH_LIBRARY(specdec_cpu, m) {
   m.def("row_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("row_linear_pack(Tensor weight) -> Tensor");
+  m.def("huge_empty(int nbytes) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor? mask, bool causal, float scale) -> Tensor");
+  m.def("decoder_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor[] weights, "
+        "Tensor?[] biases, int[] dims, float eps, Tensor final_norm, Tensor[] slot_mapping, Tensor[] slots, "
+        "Tensor?[] masks, int[] flags, Tensor[] q_index, Tensor[] out_index, int[] group_rows, float scale, "
+        "int[] capture, Tensor? rows) -> (Tensor, Tensor[])");
 }
+
+TORCH_LIBRARY_IMPL(specdec_cpu, CompositeExplicitAutograd, m) { m.impl("huge_empty", huge_empty); }
 
 TORCH_LIBRARY_IMPL(specdec_cpu, CPU, m) {
   m.impl("row_linear", row_linear);
   m.impl("row_linear_pack", pack);
   m.impl("rms_norm", rms_norm);
   m.impl("paged_attention", paged_attention);
+  m.impl("decoder_layers", decoder_layers);
 }

@@ -97,12 +97,15 @@ class DraftModelDrafter(Drafter):
         # Compiled: a chain of the method's γ, greedy or sampled, runs its catch-up and
         # γ - 1 one-token steps in one graph (one call, not γ calls each paying dynamo's
         # guards and wrappers); other γ (adaptive γ's smaller ones) step by step.
+        # A decoder whose layers run as one C++ call (LlamaDecoder.runs_natively) has no
+        # per-call dynamo cost to save, and its forwards would break such a graph: none.
+        fuse = pipeline.runtime.compile and not getattr(self.decoder, "runs_natively", False)
         self._fused = (compile_method(self, type(self)._draft_chain, pipeline.device)
-                       if pipeline.runtime.compile and self.tree is None else None)
+                       if fuse and self.tree is None else None)
         # ... and a tree of the method's budget its catch-up and every level (forwards, top-k
         # expansion, selection).
         self._fused_tree = (compile_method(self, type(self)._draft_tree, pipeline.device)
-                            if pipeline.runtime.compile and self.tree is not None else None)
+                            if fuse and self.tree is not None else None)
         self._static: dict[int, Any] = {}  # static tree cut to n nodes -> its tensors and host facts
 
     def _rows(self, b: int, device: torch.device) -> tuple[torch.Tensor, ...]:

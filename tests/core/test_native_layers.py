@@ -1,0 +1,134 @@
+"""``specdec_cpu::decoder_layers``: a Llama decoder's whole layer stack as one C++ call.
+
+It must give what the eager Python loop over the same kernels gives, bit for bit (logits,
+hidden states, captured layers, and every value it writes to the paged cache), for every
+kind of step the packer makes: a ragged prefill (one group, or a prompt beside decoding
+requests in groups), one-token decode steps of one request or several, verification of
+several rows with a position mask, token trees, a sliding window, biases, GQA. Where it
+cannot serve (gradients, Qwen3's q/k norms, unpacked layers) the Python loop runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from specdec.core.batch_processor import _pack
+from specdec.core.inputs import KVCacheTensors
+from specdec.core.kernels import cpu_kernels_available
+from specdec.core.linear import pack_layers
+from specdec.models.config import LlamaConfig
+from specdec.models.llama import LlamaDecoder
+from specdec.spec.tree import tree_attention_mask
+
+pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="specdec's CPU kernels did not build here")
+
+BLOCK, TABLES = 16, [[3, 7, 1, 9, 12, 15], [5, 0, 2, 8, 13, 16], [4, 6, 10, 11, 14, 17]]  # 96 positions each
+
+
+def _decoder(**kw: object) -> LlamaDecoder:
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                      **kw)  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    m = LlamaDecoder(cfg).eval().prepare_for_inference()
+    for p in m.parameters():  # weights a bf16 checkpoint could hold: the kernel's bf16 panels serve them
+        p.data = p.data.to(torch.bfloat16).float() + 0.0
+    m.ensure_rope(128)
+    pack_layers(m)
+    return m
+
+
+def _run(model: LlamaDecoder, native: bool, steps: list, cache: KVCacheTensors, **fields: object) -> list:
+    """Every step's outputs, with the C++ stack (``native``) or the Python loop."""
+    model._native = None if native else ()  # () : _native_weights serves nothing -> the loop
+    outs = []
+    with torch.inference_mode():
+        for toks, starts, lens, extra in steps:
+            inputs, _ = _pack(toks, starts, lens, TABLES[: len(lens)], BLOCK, 1, [0] * len(lens))
+            inputs.kv_cache = cache
+            inputs.logit_index = torch.arange(len(toks))
+            for k, v in {**fields, **extra}.items():
+                setattr(inputs, k, v)
+            if "tree_mask" in extra:
+                inputs.attention_groups = None
+            o = model(inputs)
+            outs.append((o.logits, o.hidden_states, o.aux_hidden_states, o.row_hidden_states))
+    model._native = None
+    return outs
+
+
+def _both(model: LlamaDecoder, steps: list, **fields: object) -> None:
+    shape = (model.num_layers, 18 * BLOCK, model.config.num_key_value_heads, model.config.head_dim)
+    g = torch.Generator().manual_seed(1)
+    caches = [KVCacheTensors(k=torch.randn(shape, generator=g), v=torch.randn(shape, generator=g))]
+    caches.append(KVCacheTensors(k=caches[0].k.clone(), v=caches[0].v.clone()))
+    native, loop = _run(model, True, steps, caches[0], **fields), _run(model, False, steps, caches[1], **fields)
+    for i, (a, b) in enumerate(zip(native, loop)):
+        for x, y in zip(a, b):
+            assert (x is None) == (y is None), i
+            assert x is None or torch.equal(x, y), (i, (x - y).abs().max())
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+
+
+PROMPTS = [[5, 9, 2, 11, 7, 3, 8, 1, 4], [8, 1, 4], [6, 2, 13, 9, 5]]
+
+
+def _steps() -> list:
+    flat = [t for p in PROMPTS for t in p]
+    lens = [len(p) for p in PROMPTS]
+    return [
+        (flat, [0, 0, 0], lens, {}),  # three prompts (causal)
+        ([4, 7, 1], lens, [1, 1, 1], {}),  # a decode step of three requests
+        ([2, 3, 4, 5, 6, 9, 1, 2], [10, 4, 6], [4, 1, 3], {}),  # ragged verification rows (position mask)
+        ([3], [14], [1], {}),  # one request, one token
+        ([1, 2, 3, 4, 5], [15], [5], {}),  # one request verifying five rows
+    ]
+
+
+def test_the_stack_gives_the_python_loop_s_bits_for_every_kind_of_step():
+    _both(_decoder(), _steps())
+
+
+def test_and_with_biases_a_window_and_captured_layers():
+    _both(_decoder(attention_bias=True, mlp_bias=True, sliding_window=6), _steps(),
+          capture_layers=(0, 2, 3), all_hidden=True)
+
+
+def test_a_prompt_beside_decoding_requests_attends_in_groups_with_the_same_bits():
+    model = _decoder()
+    long = [t % 60 + 1 for t in range(90)]
+    inputs, _ = _pack([4, 7] + long, [80, 70, 0], [1, 1, len(long)], TABLES, BLOCK, 1, [0, 0, 0])
+    assert inputs.attention_groups, "the packer should have split this batch"
+    _both(model, [(long[:80] + long[:70], [0, 0], [80, 70], {}),  # two prompts, then a third beside them
+                  ([4, 7] + long, [80, 70, 0], [1, 1, len(long)], {})])
+
+
+def test_a_token_tree_step_has_the_same_bits():
+    model = _decoder()
+    # the root, two children of it, and a grandchild under the first child
+    mask = tree_attention_mask(torch.tensor([[-1, -1, 0]]))
+    positions = torch.tensor([9, 10, 10, 11])
+    _both(model, [(PROMPTS[0], [0], [9], {}),
+                  ([3, 5, 6, 7], [9], [4], {"tree_mask": mask, "positions": positions})])
+
+
+def test_it_stands_aside_where_it_cannot_serve(monkeypatch: pytest.MonkeyPatch):
+    import specdec.models.llama as llama
+
+    calls = []
+    real = llama._native_layers
+    monkeypatch.setattr(llama, "_native_layers", lambda *a: calls.append(1) or real(*a))
+    model = _decoder()
+    assert _decoder(qk_norm=True)._native_weights() is None  # Qwen3's q/k norms: the loop
+    inputs, _ = _pack(PROMPTS[0], [0], [9], TABLES[:1], BLOCK, 1, [0])
+    shape = (3, 18 * BLOCK, 2, 16)
+    inputs.kv_cache = KVCacheTensors(k=torch.zeros(shape), v=torch.zeros(shape))
+    with torch.inference_mode():
+        model(inputs)
+    assert calls == [1]
+    with torch.enable_grad():  # gradients: the loop, which autograd can follow
+        model(dataclasses.replace(inputs))
+    assert calls == [1]
