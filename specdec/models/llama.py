@@ -206,27 +206,29 @@ class GroupedAttend:
         return torch.cat(outs)
 
 
-def _native_layers(module: LlamaDecoder, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   groups: list[PagedAttend], capture: tuple[int, ...], rows: torch.Tensor | None,
-                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """:meth:`LlamaDecoder._layers` as one ``specdec_cpu::decoder_layers`` call
-    (``specdec/core/kernels/cpu.cpp``): each layer's norms, projections, rope, cache
-    writes, attention over ``groups`` and residuals in C++, in the eager loop's order."""
+def _native_forward(module: LlamaDecoder, inputs: DecoderInputs, groups: list[PagedAttend],
+                    rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """:meth:`LlamaDecoder.forward`'s eager work as one ``specdec_cpu::decoder_forward`` call
+    (``specdec/core/kernels/cpu.cpp``): embedding, rope rows, each layer's norms,
+    projections, rope, cache writes, attention over ``groups`` and residuals, the final
+    norm and the head, in the eager forward's order -> (h [T, d], h at the logit rows
+    [N, d], logits [N, V], the captured layers' inputs)."""
     weights, biases, dims, eps = module._native_weights()  # type: ignore[misc]
-    cache = groups[0].cache
-    scale = dims[2] ** -0.5
-    h, seen = torch.ops.specdec_cpu.decoder_layers.default(
-        x, cos, sin, cache.k, cache.v, weights, biases, dims, eps, module.model.norm.weight,
+    cache, head = groups[0].cache, module.lm_head
+    h, hl, logits, seen = torch.ops.specdec_cpu.decoder_forward.default(
+        inputs.tokens, inputs.positions, module.model.embed_tokens.weight, module.rope_cos, module.rope_sin,
+        cache.k, cache.v, weights, biases, dims, eps, module.model.norm.weight, head.packed, head.bias,
+        head.out_features, inputs.logit_index,
         [g.inputs.slot_mapping for g in groups], [g.slots for g in groups], [g.mask for g in groups],
         [f for g in groups for f in (int(g.causal), int(g.single))],
         [g.inputs.q_index for g in groups], [g.inputs.out_index for g in groups],
-        [g.inputs.positions.shape[0] for g in groups], scale, list(capture), rows)
-    return h, list(seen)
+        [g.inputs.positions.shape[0] for g in groups], dims[2] ** -0.5, list(inputs.capture_layers), rows)
+    return h, hl, logits, list(seen)
 
 
 # Traced (a compiled graph around a decoder's call), the call runs as it is, between two graphs:
-# the same bits as eager, never a traced copy of the loop.
-_native_layers_traced = torch.compiler.disable(_native_layers)
+# the same bits as eager, never a traced copy of the forward.
+_native_forward_traced = torch.compiler.disable(_native_forward)
 
 
 def paged_attend(inputs: DecoderInputs, cache: KVCacheTensors, window: int | None,
@@ -421,14 +423,7 @@ class LlamaDecoder(RopeTables, DecoderModule):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Runs every layer; returns the final-norm output and, for each layer in
         ``capture``, its input at ``rows`` ([N, d] each; ``capture`` may name
-        ``num_layers``: the last layer's output before the final norm).
-
-        On our CPU kernels the whole stack is one C++ call (:meth:`_native_layers`)
-        where it computes what the loop below computes, bit for bit."""
-        groups = self._native_groups(attend, x)
-        if groups is not None:
-            run = _native_layers_traced if torch.compiler.is_compiling() else _native_layers
-            return run(self, x, cos, sin, groups, capture, rows)
+        ``num_layers``: the last layer's output before the final norm)."""
         # (A list filled by position, not a dict keyed by layer: dynamo mis-traced the
         # dict, a KeyError that sent the whole compiled forward back to eager.)
         seen: list[torch.Tensor | None] = [None] * len(capture)
@@ -442,8 +437,8 @@ class LlamaDecoder(RopeTables, DecoderModule):
 
     @property
     def runs_natively(self) -> bool:
-        """Whether its layer stack runs as one C++ call (``specdec_cpu::decoder_layers``; see
-        :meth:`_layers`). Compiling such a module buys nothing (``compile_decoder`` leaves it
+        """Whether its forward runs as one C++ call (``specdec_cpu::decoder_forward``; see
+        :meth:`forward`). Compiling such a module buys nothing (``compile_decoder`` leaves it
         be), and a compiled graph around its calls would only break at that call."""
         return self._native_weights() is not None
 
@@ -452,15 +447,19 @@ class LlamaDecoder(RopeTables, DecoderModule):
         self._native = None
 
     def _native_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[int], float] | None:
-        """The operands of ``specdec_cpu::decoder_layers`` (weights, biases, dims, eps),
-        gathered once after packing; None where it does not serve this module: a layer
-        not packed for our kernels (or not fused), Qwen3's q/k norms, tensor parallelism."""
+        """The operands of ``specdec_cpu::decoder_forward`` (weights, biases, dims, eps),
+        gathered once after packing; None where it does not serve this module: a layer or
+        the head not packed for our kernels (or not fused), Qwen3's q/k norms, tensor
+        parallelism (its embedding, head and sums are not ours)."""
         if getattr(self, "_native", None) is not None:
             return self._native or None
         weights: list[torch.Tensor] = []
         biases: list[torch.Tensor | None] = []
         eps = {self.model.norm.eps}
-        ok = self.attention_kernel == "specdec" and self.model.norm.kernel == "specdec"
+        embed = self.model.embed_tokens
+        ok = (self.attention_kernel == "specdec" and self.model.norm.kernel == "specdec"
+              and type(embed) is nn.Embedding and embed.weight.dtype == torch.float32
+              and isinstance(self.lm_head, Linear) and self.lm_head.kernel == "specdec")
         for layer in self.model.layers:
             a, m = layer.self_attn, layer.mlp
             lins = (a.qkv, a.o_proj, m.gate_up, m.down_proj)
@@ -480,11 +479,12 @@ class LlamaDecoder(RopeTables, DecoderModule):
                                           len(self.model.layers)], eps.pop()) if ok else ()
         return self._native or None
 
-    def _native_groups(self, attend: Attend, x: torch.Tensor) -> list[PagedAttend] | None:
-        """The attention groups :meth:`_layers` hands to the C++ stack, or None where the
-        Python loop runs: no packed weights, gradients, another attention, or a forward that
-        hides each row's non-finite new keys (PagedAttend._hide reads them between layers)."""
-        if x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
+    def _native_groups(self, attend: Attend) -> list[PagedAttend] | None:
+        """The attention groups :meth:`forward` hands to the C++ forward, or None where the
+        Python runs: no packed weights, gradients, another attention, a rope table not built
+        yet, or a forward that hides each row's non-finite new keys (PagedAttend._hide reads
+        them between layers)."""
+        if torch.is_grad_enabled() or not self._rope_len:
             return None
         groups = attend.groups if isinstance(attend, GroupedAttend) else [attend]
         if not all(isinstance(g, PagedAttend) and g.own_kernel and not (g.isolate_rows and g.rows_meet)
@@ -493,33 +493,49 @@ class LlamaDecoder(RopeTables, DecoderModule):
         return groups if self._native_weights() is not None else None
 
     def forward(self, inputs: DecoderInputs) -> DecoderOutputs:
-        """Packed ragged forward over the paged cache in ``inputs.kv_cache``."""
+        """Packed ragged forward over the paged cache in ``inputs.kv_cache``.
+
+        On our CPU kernels (float32, packed by ``pack_layers``) the whole forward is one C++
+        call (:func:`_native_forward`) computing what the Python below computes, bit for bit."""
         assert inputs.kv_cache is not None, "DecoderInputs.kv_cache is required"
-        x = self.model.embed_tokens(inputs.tokens)  # [T, d]
-        # Positions grow one step at a time; the table is sized up front by
-        # ``ensure_rope`` so no host sync is needed here. A module that never
-        # had ``ensure_rope`` (``load_decoder``, ``build_module``) builds the
-        # table on its first call, with one host sync.
-        cos, sin = self.rope_for(inputs.positions)
         # Hiding each row's non-finite new keys from the rows before it (PagedAttend)
         # is costly on a CPU, so there an eager forward runs without it, and runs
         # again with it only if some row went non-finite: a residual stream that
         # went NaN or inf stays so to the last layer, so the final states tell.
-        check = x.device.type == "cpu" and not torch.compiler.is_compiling()
+        check = inputs.tokens.device.type == "cpu" and not torch.compiler.is_compiling()
         attend = paged_attend(inputs, inputs.kv_cache, self.config.sliding_window,
                               isolate_rows=inputs.isolate_rows and not check, kernel=self.attention_kernel)
         rows = None if inputs.all_hidden else inputs.logit_index  # where captured layers are kept
-        h, aux = self._layers(x, cos, sin, attend, inputs.capture_layers, rows)
+        groups = self._native_groups(attend)
+        hl = logits = None
+        if groups is not None:
+            run = _native_forward_traced if torch.compiler.is_compiling() else _native_forward
+            h, hl, logits, aux = run(self, inputs, groups, rows)
+        else:
+            x, cos, sin = self._embed(inputs)
+            h, aux = self._layers(x, cos, sin, attend, inputs.capture_layers, rows)
         if check and attend.rows_meet and not bool(torch.isfinite(h.sum())):
+            x, cos, sin = self._embed(inputs)
             attend = paged_attend(inputs, inputs.kv_cache, self.config.sliding_window, kernel=self.attention_kernel)
             h, aux = self._layers(x, cos, sin, attend, inputs.capture_layers, rows)
+            hl = logits = None
         aux_t = torch.cat(aux, dim=-1) if aux else None
-        hl = h[inputs.logit_index]  # [N, d]
+        if hl is None or logits is None:
+            hl = h[inputs.logit_index]  # [N, d]
+            logits = self.lm_head(hl)
         if not inputs.all_hidden:
-            return DecoderOutputs(logits=self.lm_head(hl), hidden_states=hl, aux_hidden_states=aux_t)
-        return DecoderOutputs(logits=self.lm_head(hl), hidden_states=hl,
+            return DecoderOutputs(logits=logits, hidden_states=hl, aux_hidden_states=aux_t)
+        return DecoderOutputs(logits=logits, hidden_states=hl,
                               aux_hidden_states=aux_t[inputs.logit_index] if aux_t is not None else None,
                               row_hidden_states=h, row_aux_hidden_states=aux_t)
+
+    def _embed(self, inputs: DecoderInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The token embeddings [T, d] and the rope cos/sin [T, 1, head_dim] of ``inputs``."""
+        # Positions grow one step at a time; the table is sized up front by
+        # ``ensure_rope`` so no host sync is needed here. A module that never
+        # had ``ensure_rope`` (``load_decoder``, ``build_module``) builds the
+        # table on its first call, with one host sync.
+        return self.model.embed_tokens(inputs.tokens), *self.rope_for(inputs.positions)
 
     def prepare_for_inference(self) -> LlamaDecoder:
         """Fuses q/k/v and gate/up projections (views: no extra memory). Call

@@ -1,4 +1,4 @@
-"""``specdec_cpu::decoder_layers``: a Llama decoder's whole layer stack as one C++ call.
+"""``specdec_cpu::decoder_forward``: a Llama decoder's whole forward as one C++ call.
 
 It must give what the eager Python loop over the same kernels gives, bit for bit (logits,
 hidden states, captured layers, and every value it writes to the paged cache), for every
@@ -119,8 +119,8 @@ def test_it_stands_aside_where_it_cannot_serve(monkeypatch: pytest.MonkeyPatch):
     import specdec.models.llama as llama
 
     calls = []
-    real = llama._native_layers
-    monkeypatch.setattr(llama, "_native_layers", lambda *a: calls.append(1) or real(*a))
+    real = llama._native_forward
+    monkeypatch.setattr(llama, "_native_forward", lambda *a: calls.append(1) or real(*a))
     model = _decoder()
     assert _decoder(qk_norm=True)._native_weights() is None  # Qwen3's q/k norms: the loop
     inputs, _ = _pack(PROMPTS[0], [0], [9], TABLES[:1], BLOCK, 1, [0])
@@ -132,3 +132,12 @@ def test_it_stands_aside_where_it_cannot_serve(monkeypatch: pytest.MonkeyPatch):
     with torch.enable_grad():  # gradients: the loop, which autograd can follow
         model(dataclasses.replace(inputs))
     assert calls == [1]
+
+
+def test_a_token_outside_the_vocabulary_is_an_error_that_names_it():
+    model = _decoder()
+    inputs, _ = _pack([5, 999], [0], [2], TABLES[:1], BLOCK, 1, [0])
+    shape = (3, 18 * BLOCK, 2, 16)
+    inputs.kv_cache = KVCacheTensors(k=torch.zeros(shape), v=torch.zeros(shape))
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="token id 999 outside"):
+        model(inputs)

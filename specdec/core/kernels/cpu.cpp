@@ -232,16 +232,8 @@ struct Sum16 {
 
 // y[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)), each row alone: 16 running sums of squares
 // over the row in order, added up in a fixed tree.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.device().is_cpu() &&
-                  w.dim() == 1 && x.dim() >= 1 && x.size(-1) == w.size(0),
-              "specdec::rms_norm: want float32 CPU x [..., d] and weight [d], got ", x.sizes(), " and ", w.sizes());
-  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
-  const int64_t d = xc.size(-1), rows = d ? xc.numel() / d : 0;
-  at::Tensor y = at::empty(xc.sizes(), xc.options());
-  const float* xp = xc.const_data_ptr<float>();
-  const float* wp = wc.const_data_ptr<float>();
-  float* yp = y.mutable_data_ptr<float>();
+// rms_norm's rows on raw pointers: y[r] for r < rows, x and y [rows, d] contiguous.
+void rms_rows(const float* xp, int64_t rows, int64_t d, const float* wp, double eps, float* yp) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, d));
   at::parallel_for(0, rows, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {
@@ -255,6 +247,16 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
       for (int64_t j = 0; j < d; ++j) yr[j] = wp[j] * (xr[j] * inv);
     }
   });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.device().is_cpu() &&
+                  w.dim() == 1 && x.dim() >= 1 && x.size(-1) == w.size(0),
+              "specdec::rms_norm: want float32 CPU x [..., d] and weight [d], got ", x.sizes(), " and ", w.sizes());
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  const int64_t d = xc.size(-1), rows = d ? xc.numel() / d : 0;
+  at::Tensor y = at::empty(xc.sizes(), xc.options());
+  rms_rows(xc.const_data_ptr<float>(), rows, d, wc.const_data_ptr<float>(), eps, y.mutable_data_ptr<float>());
   return y;
 }
 
@@ -355,42 +357,13 @@ void attend_row(const float* q, const float* kc, const float* vc, const int64_t*
   }
 }
 
-// q [B, Q, H, D], k_cache / v_cache [slots, Hkv, D], slots [B, S] (the cache slot of each
-// request's key j), mask [B, 1, Q, S] bool (true: seen) or none -> [B, Q, H, D].
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& slots, const std::optional<at::Tensor>& mask, bool causal,
-                           double scale) {
-  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
-                  q.size(3) == k_cache.size(2) && q.size(3) % 16 == 0 && k_cache.size(1) > 0 &&
-                  q.size(2) % k_cache.size(1) == 0,
-              "specdec::paged_attention: want float32 q [B, Q, H, D] and caches [slots, Hkv, D] (D a multiple "
-              "of 16, Hkv dividing H), got q ", q.sizes(), " ", q.scalar_type(), ", caches ", k_cache.sizes(),
-              " and ", v_cache.sizes());
-  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == q.size(0) && slots.scalar_type() == at::kLong,
-              "specdec::paged_attention: slots must be int64 [B, S] for q ", q.sizes(), ", got ", slots.sizes());
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "specdec::paged_attention: caches must be contiguous");
-  const int64_t B = q.size(0), Q = q.size(1), H = q.size(2), D = q.size(3), S = slots.size(1);
-  const int64_t Hkv = k_cache.size(1), G = H / Hkv, nslots = k_cache.size(0);
-  const at::Tensor qc = q.contiguous(), sl = slots.contiguous();
-  const int64_t* sp = sl.const_data_ptr<int64_t>();
-  for (int64_t j = 0; j < B * S; ++j)
-    TORCH_CHECK(sp[j] >= 0 && sp[j] < nslots, "specdec::paged_attention: slot ", sp[j], " outside the cache's ",
-                nslots);
-  at::Tensor mc;
-  const bool* mp = nullptr;
-  if (mask.has_value() && mask->defined()) {
-    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->numel() == B * Q * S,
-                "specdec::paged_attention: mask must be bool [B, 1, Q, S] = [", B, ", 1, ", Q, ", ", S, "], got ",
-                mask->sizes());
-    mc = mask->contiguous();
-    mp = mc.const_data_ptr<bool>();
-  }
-  at::Tensor y = at::empty({B, Q, H, D}, qc.options());
-  const float* qp = qc.const_data_ptr<float>();
-  const float *kp = k_cache.const_data_ptr<float>(), *vp = v_cache.const_data_ptr<float>();
-  float* yp = y.mutable_data_ptr<float>();
-  const float sc = static_cast<float>(scale);
+// paged_attention's work on raw pointers. Query row r = b * Q + i (of B requests' Q rows each)
+// is at qp + (qrow ? qrow[r] : r) * q_ld, its H heads of D in a row; slots sp [B, S] (checked by
+// the caller), mask mp [B, Q, S] or null; out yp [B, Q, H, D].
+void attend_rows(const float* qp, const int64_t* qrow, int64_t q_ld, const float* kp, const float* vp,
+                 const int64_t* sp, int64_t S, const bool* mp, bool causal, int64_t B, int64_t Q, int64_t H,
+                 int64_t Hkv, int64_t D, float sc, float* yp) {
+  const int64_t G = H / Hkv;
   // Threads take (row, head) pairs: a one-token decode step (one row) splits its heads too,
   // and its gathers from the cache, latency-bound, overlap on two threads (the built-in
   // target's one-token forward: ~0.1 ms of 2.5 on a 2-core Zen 1). Each pair is computed alone.
@@ -410,7 +383,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       const int64_t head = (h / G) * D;
       for (int64_t j = 0; j < last; ++j)
         if (!mrow || mrow[j]) off[n++] = sp[b * S + j] * Hkv * D + head;
-      const float* qr = qp + (r * H + h) * D;
+      const float* qr = qp + (qrow ? qrow[r] : r) * q_ld + h * D;
       float* yr = yp + (r * H + h) * D;
       if (D == 64)
         attend_row<64>(qr, kp, vp, off.data(), n, D, sc, buf.data(), yr);
@@ -420,23 +393,62 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
         attend_row<0>(qr, kp, vp, off.data(), n, D, sc, buf.data(), yr);
     }
   });
+}
+
+// q [B, Q, H, D], k_cache / v_cache [slots, Hkv, D], slots [B, S] (the cache slot of each
+// request's key j), mask [B, 1, Q, S] bool (true: seen) or none -> [B, Q, H, D].
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& slots, const std::optional<at::Tensor>& mask, bool causal,
+                           double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
+                  q.size(3) == k_cache.size(2) && q.size(3) % 16 == 0 && k_cache.size(1) > 0 &&
+                  q.size(2) % k_cache.size(1) == 0,
+              "specdec::paged_attention: want float32 q [B, Q, H, D] and caches [slots, Hkv, D] (D a multiple "
+              "of 16, Hkv dividing H), got q ", q.sizes(), " ", q.scalar_type(), ", caches ", k_cache.sizes(),
+              " and ", v_cache.sizes());
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == q.size(0) && slots.scalar_type() == at::kLong,
+              "specdec::paged_attention: slots must be int64 [B, S] for q ", q.sizes(), ", got ", slots.sizes());
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "specdec::paged_attention: caches must be contiguous");
+  const int64_t B = q.size(0), Q = q.size(1), H = q.size(2), D = q.size(3), S = slots.size(1);
+  const int64_t Hkv = k_cache.size(1), nslots = k_cache.size(0);
+  const at::Tensor qc = q.contiguous(), sl = slots.contiguous();
+  const int64_t* sp = sl.const_data_ptr<int64_t>();
+  for (int64_t j = 0; j < B * S; ++j)
+    TORCH_CHECK(sp[j] >= 0 && sp[j] < nslots, "specdec::paged_attention: slot ", sp[j], " outside the cache's ",
+                nslots);
+  at::Tensor mc;
+  const bool* mp = nullptr;
+  if (mask.has_value() && mask->defined()) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->numel() == B * Q * S,
+                "specdec::paged_attention: mask must be bool [B, 1, Q, S] = [", B, ", 1, ", Q, ", ", S, "], got ",
+                mask->sizes());
+    mc = mask->contiguous();
+    mp = mc.const_data_ptr<bool>();
+  }
+  at::Tensor y = at::empty({B, Q, H, D}, qc.options());
+  attend_rows(qc.const_data_ptr<float>(), nullptr, H * D, k_cache.const_data_ptr<float>(),
+              v_cache.const_data_ptr<float>(), sp, S, mp, causal, B, Q, H, Hkv, D, static_cast<float>(scale),
+              y.mutable_data_ptr<float>());
   return y;
 }
 
 
-// decoder_layers: a Llama decoder's layer stack, one call for the whole stack, computing
-// what LlamaDecoder._layers computes eagerly on these kernels (row_linear, rms_norm,
-// paged_attention; ATen's own silu), in the same order and with the same roundings, so
-// its results are the same bits: only the ~15 calls a layer from Python are gone. Each
-// layer, for rows x [T, d]:
+// decoder_forward: a Llama decoder's forward in one call: the token embedding, the rope rows
+// of each position, every layer, the final norm, the rows whose logits are wanted and the
+// head. It computes what LlamaDecoder.forward computes eagerly on these kernels
+// (row_linear, rms_norm, paged_attention; ATen's own silu), in the same order and with the
+// same roundings, so its results are the same bits: only the ~15 calls a layer from Python
+// are gone (and the Python that ran cold after the weights had streamed through the caches).
+// Each layer, for rows x [T, d]:
 //
 //   h = rms_norm(x); qkv = h W_qkv^T (+ b); rope on q and k: qk * cos + rotate_half(qk) * sin
 //   (two products and a sum, each rounded: no fused multiply-add); write k, v to the layer's
 //   cache slots; attention per group of rows; x = x + o_proj(attn)
 //   h = rms_norm(x); [gate, up] = h W_gu^T (+ b); x = x + down(silu(gate) * up)
 //
-// and after the last layer the final rms_norm. ``capture`` lists layers whose input x (at
-// ``rows`` when given) is returned as well (layer L: the last layer's output).
+// then h = rms_norm(x), hl = h[logit_index], logits = hl W_head^T. ``capture`` lists layers
+// whose input x (at ``rows`` when given) is returned as well (layer L: the last layer's output).
 
 // a * b + c * d with both products rounded to float before the sum, as separate eager
 // multiplications and an addition give (-ffp-contract=fast would fuse one product into an FMA).
@@ -462,48 +474,132 @@ __attribute__((optimize("fp-contract=off"))) void rope_rows(const float* qk, int
   }
 }
 
-std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
-    const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
-    at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef dims, double eps,
-    const at::Tensor& final_norm, at::TensorList slot_mapping, at::TensorList slots,
+// y [M, N] = x [M, K] W^T (+ b) into yp (row stride N), W packed by pack(): run_panels straight
+// into yp where N fills the panels and there is no bias, else row_linear and a copy (same sums).
+void linear_to(const float* xp, int64_t M, int64_t K, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+               int64_t N, float* yp) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == K && packed.size(2) == P && packed.is_contiguous() &&
+                  N <= packed.size(0) * P,
+              "specdec::decoder_forward: packed weight ", packed.sizes(), " does not serve ", K, " -> ", N);
+  const int64_t np = packed.size(0);
+  if (np * P == N && !(bias.has_value() && bias->defined())) {
+    if (packed.scalar_type() == at::kBFloat16)
+      run_panels(xp, packed.const_data_ptr<at::BFloat16>(), static_cast<const float*>(nullptr), yp, M, K, np);
+    else
+      run_panels(xp, packed.const_data_ptr<float>(), static_cast<const float*>(nullptr), yp, M, K, np);
+    return;
+  }
+  const at::Tensor x = at::from_blob(const_cast<float*>(xp), {M, K}, at::TensorOptions().dtype(at::kFloat));
+  const at::Tensor y = row_linear(x, packed, bias, N);
+  std::memcpy(yp, y.const_data_ptr<float>(), sizeof(float) * M * N);
+}
+
+// rows ``index`` of ``table`` [n, w] (float32), each checked to lie in [0, n): ``what`` names it.
+at::Tensor take_rows(const at::Tensor& table, const at::Tensor& index, const char* what) {
+  TORCH_CHECK(table.dim() == 2 && table.is_contiguous() && table.scalar_type() == at::kFloat &&
+                  index.scalar_type() == at::kLong && index.dim() == 1,
+              "specdec::decoder_forward: want a contiguous float32 table and int64 ", what, ", got ",
+              table.sizes(), " and ", index.sizes());
+  const at::Tensor ic = index.contiguous();
+  const int64_t n = ic.numel(), w = table.size(1), rows = table.size(0);
+  at::Tensor out = at::empty({n, w}, table.options());
+  const int64_t* ip = ic.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "specdec::decoder_forward: ", what, " ", ip[i], " outside [0, ", rows, ")");
+    std::memcpy(out.mutable_data_ptr<float>() + i * w, table.const_data_ptr<float>() + ip[i] * w, sizeof(float) * w);
+  }
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> decoder_forward(
+    const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& embed, const at::Tensor& cos_table,
+    const at::Tensor& sin_table, at::Tensor k_cache, at::Tensor v_cache, at::TensorList weights,
+    const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef dims, double eps,
+    const at::Tensor& final_norm, const at::Tensor& head, const std::optional<at::Tensor>& head_bias,
+    int64_t vocab, const at::Tensor& logit_index, at::TensorList slot_mapping, at::TensorList slots,
     const c10::List<std::optional<at::Tensor>>& masks, at::IntArrayRef flags, at::TensorList q_index,
     at::TensorList out_index, at::IntArrayRef group_rows, double scale, at::IntArrayRef capture,
     const std::optional<at::Tensor>& rows) {
-  TORCH_CHECK(dims.size() == 5, "specdec::decoder_layers: dims = [H, Hkv, D, intermediate, layers]");
+  const at::Tensor x_in = take_rows(embed, tokens, "token id");
+  const at::Tensor cos = take_rows(cos_table, positions, "position"), sin = take_rows(sin_table, positions, "position");
+  TORCH_CHECK(dims.size() == 5, "specdec::decoder_forward: dims = [H, Hkv, D, intermediate, layers]");
   const int64_t H = dims[0], Hkv = dims[1], D = dims[2], F = dims[3], L = dims[4];
   const int64_t T = x_in.size(0), d = x_in.size(1), G = static_cast<int64_t>(group_rows.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 6 * L && static_cast<int64_t>(biases.size()) == 4 * L,
-              "specdec::decoder_layers: want 6 weights and 4 biases a layer for ", L, " layers, got ",
+              "specdec::decoder_forward: want 6 weights and 4 biases a layer for ", L, " layers, got ",
               weights.size(), " and ", biases.size());
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
                   cos.numel() == T * D && sin.numel() == T * D,
-              "specdec::decoder_layers: want float32 x [T, d] and contiguous cos/sin [T, 1, D], got x ",
+              "specdec::decoder_forward: want float32 x [T, d] and contiguous cos/sin [T, 1, D], got x ",
               x_in.sizes(), ", cos ", cos.sizes());
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == L && k_cache.size(2) == Hkv && k_cache.size(3) == D &&
                   k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous(),
-              "specdec::decoder_layers: caches must be contiguous [", L, ", slots, ", Hkv, ", ", D, "], got ",
+              "specdec::decoder_forward: caches must be contiguous [", L, ", slots, ", Hkv, ", ", D, "], got ",
               k_cache.sizes());
   TORCH_CHECK(static_cast<int64_t>(slot_mapping.size()) == G && static_cast<int64_t>(slots.size()) == G &&
                   static_cast<int64_t>(masks.size()) == G && static_cast<int64_t>(flags.size()) == 2 * G &&
                   static_cast<int64_t>(q_index.size()) == G && static_cast<int64_t>(out_index.size()) == G,
-              "specdec::decoder_layers: every attention group needs slot_mapping, slots, mask, flags and indices");
+              "specdec::decoder_forward: every attention group needs slot_mapping, slots, mask, flags and indices");
   int64_t total = 0;
   for (int64_t g = 0; g < G; ++g) {
     TORCH_CHECK(slot_mapping[g].scalar_type() == at::kLong && slot_mapping[g].numel() == group_rows[g],
-                "specdec::decoder_layers: group ", g, "'s slot_mapping must be int64 [", group_rows[g], "]");
+                "specdec::decoder_forward: group ", g, "'s slot_mapping must be int64 [", group_rows[g], "]");
     total += group_rows[g];
   }
-  TORCH_CHECK(total == T, "specdec::decoder_layers: the groups hold ", total, " rows, x has ", T);
+  TORCH_CHECK(total == T, "specdec::decoder_forward: the groups hold ", total, " rows, x has ", T);
   const int64_t nslots = k_cache.size(1), kv_row = Hkv * D, qk_heads = H + Hkv, qkv_out = (H + 2 * Hkv) * D;
   for (int64_t g = 0; g < G; ++g) {
     const at::Tensor sm = slot_mapping[g].contiguous();
     const int64_t* sp = sm.const_data_ptr<int64_t>();
     for (int64_t i = 0; i < sm.numel(); ++i)
-      TORCH_CHECK(sp[i] >= 0 && sp[i] < nslots, "specdec::decoder_layers: slot ", sp[i], " outside the cache's ",
+      TORCH_CHECK(sp[i] >= 0 && sp[i] < nslots, "specdec::decoder_forward: slot ", sp[i], " outside the cache's ",
                   nslots);
   }
-  std::vector<at::Tensor> maps(G);
-  for (int64_t g = 0; g < G; ++g) maps[g] = slot_mapping[g].contiguous();
+  // Each group's index operands, contiguous and checked once (the layers read them raw).
+  struct Group {
+    at::Tensor map, slots, mask, qidx, oidx;
+    int64_t B, Q, S, n, start;
+    bool causal, single;
+  };
+  std::vector<Group> gs(G);
+  int64_t att_rows = 0;
+  for (int64_t g = 0, start = 0; g < G; ++g) {
+    Group& e = gs[g];
+    e.n = group_rows[g], e.start = start, e.causal = flags[2 * g] != 0, e.single = flags[2 * g + 1] != 0;
+    e.map = slot_mapping[g].contiguous();
+    e.slots = slots[g].contiguous();
+    TORCH_CHECK(e.slots.dim() == 2 && e.slots.scalar_type() == at::kLong,
+                "specdec::decoder_forward: group ", g, "'s slots must be int64 [B, S], got ", e.slots.sizes());
+    e.B = e.slots.size(0), e.S = e.slots.size(1);
+    e.Q = e.single ? e.n : q_index[g].size(-1);
+    TORCH_CHECK(!e.single || e.B == 1, "specdec::decoder_forward: group ", g, " is one request but has slots ",
+                e.slots.sizes());
+    const int64_t* sp = e.slots.const_data_ptr<int64_t>();
+    for (int64_t k = 0; k < e.B * e.S; ++k)
+      TORCH_CHECK(sp[k] >= 0 && sp[k] < nslots, "specdec::decoder_forward: slot ", sp[k], " outside the cache's ",
+                  nslots);
+    if (!e.single) {
+      e.qidx = q_index[g].contiguous(), e.oidx = out_index[g].contiguous();
+      TORCH_CHECK(e.qidx.scalar_type() == at::kLong && e.qidx.numel() == e.B * e.Q &&
+                      e.oidx.scalar_type() == at::kLong && e.oidx.numel() == e.n,
+                  "specdec::decoder_forward: group ", g, "'s q_index must be int64 [B, Q] and out_index [rows]");
+      const int64_t* qi = e.qidx.const_data_ptr<int64_t>();
+      const int64_t* oi = e.oidx.const_data_ptr<int64_t>();
+      for (int64_t k = 0; k < e.B * e.Q; ++k)
+        TORCH_CHECK(qi[k] >= 0 && qi[k] < e.n, "specdec::decoder_forward: q_index ", qi[k], " outside group ", g);
+      for (int64_t k = 0; k < e.n; ++k)
+        TORCH_CHECK(oi[k] >= 0 && oi[k] < e.B * e.Q, "specdec::decoder_forward: out_index ", oi[k],
+                    " outside group ", g);
+    }
+    const std::optional<at::Tensor> m = masks.get(g);
+    if (m.has_value() && m->defined()) {
+      TORCH_CHECK(m->scalar_type() == at::kBool && m->numel() == e.B * e.Q * e.S,
+                  "specdec::decoder_forward: group ", g, "'s mask must be bool [B, 1, Q, S], got ", m->sizes());
+      e.mask = m->contiguous();
+    }
+    att_rows = std::max(att_rows, e.B * e.Q);
+    start += e.n;
+  }
   const float* cp = cos.const_data_ptr<float>();
   const float* snp = sin.const_data_ptr<float>();
   std::vector<at::Tensor> seen(capture.size());
@@ -511,55 +607,59 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
     for (size_t c = 0; c < capture.size(); ++c)
       if (capture[c] == layer) seen[c] = rows.has_value() && rows->defined() ? x.index_select(0, *rows) : x.clone();
   };
-  at::Tensor x = x_in.clone(at::MemoryFormat::Contiguous);  // the residual stream (x_in stays: a rerun reads it)
+  // One workspace for every layer (no allocation, no ATen call but silu inside the loop).
+  const auto opt = x_in.options();
+  at::Tensor x = x_in;  // the residual stream, updated in place
+  at::Tensor h = at::empty({T, d}, opt), qkv = at::empty({T, qkv_out}, opt), qk = at::empty({T, qk_heads, D}, opt);
+  at::Tensor yatt = at::empty({att_rows, H * D}, opt), attn = at::empty({T, H * D}, opt), o = at::empty({T, d}, opt);
+  at::Tensor gu = at::empty({T, 2 * F}, opt), act = at::empty({T, F}, opt);
+  float *xp = x.mutable_data_ptr<float>(), *hp = h.mutable_data_ptr<float>(), *qkvp = qkv.mutable_data_ptr<float>();
+  float *qkp = qk.mutable_data_ptr<float>(), *yp = yatt.mutable_data_ptr<float>(), *ap = attn.mutable_data_ptr<float>();
+  float *op = o.mutable_data_ptr<float>(), *gup = gu.mutable_data_ptr<float>(), *actp = act.mutable_data_ptr<float>();
+  const float sc = static_cast<float>(scale);
   for (int64_t l = 0; l < L; ++l) {
     keep(l, x);
     const at::Tensor* w = &weights[6 * l];
     auto bias = [&](int i) { return biases.get(4 * l + i); };
-    at::Tensor h = rms_norm(x, w[0], eps);
-    const at::Tensor qkv = row_linear(h, w[1], bias(0), qkv_out);  // [T, (H + 2 Hkv) D]
-    at::Tensor qk = at::empty({T, qk_heads, D}, x.options());
-    rope_rows(qkv.const_data_ptr<float>(), qkv_out, cp, snp, T, qk_heads, D, qk.mutable_data_ptr<float>());
+    rms_rows(xp, T, d, w[0].const_data_ptr<float>(), eps, hp);
+    linear_to(hp, T, d, w[1], bias(0), qkv_out, qkvp);  // [T, (H + 2 Hkv) D]
+    rope_rows(qkvp, qkv_out, cp, snp, T, qk_heads, D, qkp);
     // This layer's keys and values into the cache, by slot (k: rows H.. of qk; v: after q, k in qkv).
     float* kc = k_cache.mutable_data_ptr<float>() + l * nslots * kv_row;
     float* vc = v_cache.mutable_data_ptr<float>() + l * nslots * kv_row;
-    const float* qkp = qk.const_data_ptr<float>();
-    const float* qkvp = qkv.const_data_ptr<float>();
-    int64_t start = 0;
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t* sp = maps[g].const_data_ptr<int64_t>();
-      for (int64_t i = 0; i < group_rows[g]; ++i) {
-        const int64_t t = start + i;
+    for (const Group& e : gs) {
+      const int64_t* sp = e.map.const_data_ptr<int64_t>();
+      for (int64_t i = 0; i < e.n; ++i) {
+        const int64_t t = e.start + i;
         std::memcpy(kc + sp[i] * kv_row, qkp + (t * qk_heads + H) * D, sizeof(float) * kv_row);
         std::memcpy(vc + sp[i] * kv_row, qkvp + t * qkv_out + qk_heads * D, sizeof(float) * kv_row);
       }
-      start += group_rows[g];
     }
-    const at::Tensor kl = k_cache.select(0, l), vl = v_cache.select(0, l);
-    std::vector<at::Tensor> outs;
-    start = 0;
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t n = group_rows[g];
-      const at::Tensor q = qk.narrow(0, start, n).narrow(1, 0, H);  // [n, H, D]
-      const bool causal = flags[2 * g] != 0, single = flags[2 * g + 1] != 0;
-      const at::Tensor qp = single ? q.unsqueeze(0)
-                                   : q.index_select(0, q_index[g].reshape(-1)).view({q_index[g].size(0),
-                                                                                     q_index[g].size(1), H, D});
-      at::Tensor out = paged_attention(qp, kl, vl, slots[g], masks.get(g), causal, scale);
-      out = out.reshape({out.size(0) * out.size(1), H * D});
-      outs.push_back(single ? out : out.index_select(0, out_index[g]));
-      start += n;
+    for (const Group& e : gs) {  // each group's queries read straight from qk (q: its first H heads)
+      attend_rows(qkp + e.start * qk_heads * D, e.single ? nullptr : e.qidx.const_data_ptr<int64_t>(), qk_heads * D,
+                  kc, vc, e.slots.const_data_ptr<int64_t>(), e.S, e.mask.defined() ? e.mask.const_data_ptr<bool>() : nullptr,
+                  e.causal, e.B, e.Q, H, Hkv, D, sc, yp);
+      if (e.single) {
+        std::memcpy(ap + e.start * H * D, yp, sizeof(float) * e.n * H * D);
+      } else {
+        const int64_t* oi = e.oidx.const_data_ptr<int64_t>();
+        for (int64_t t = 0; t < e.n; ++t) std::memcpy(ap + (e.start + t) * H * D, yp + oi[t] * H * D, sizeof(float) * H * D);
+      }
     }
-    const at::Tensor attn = G == 1 ? outs[0] : at::cat(outs);
-    x.add_(row_linear(attn.contiguous(), w[2], bias(1), d));  // (a sum is a sum: in place or not)
-    h = rms_norm(x, w[3], eps);
-    const at::Tensor gu = row_linear(h, w[4], bias(2), 2 * F);  // [T, 2F]: gate, then up
-    at::Tensor act = at::silu(gu.narrow(1, 0, F));  // ATen's silu on the same view as F.silu's: its bits
-    act.mul_(gu.narrow(1, F, F));
-    x.add_(row_linear(act, w[5], bias(3), d));
+    linear_to(ap, T, H * D, w[2], bias(1), d, op);
+    for (int64_t k = 0; k < T * d; ++k) xp[k] += op[k];  // (one rounding a sum: the eager add's bits)
+    rms_rows(xp, T, d, w[3].const_data_ptr<float>(), eps, hp);
+    linear_to(hp, T, d, w[4], bias(2), 2 * F, gup);  // [T, 2F]: gate, then up
+    at::silu_out(act, gu.narrow(1, 0, F));  // ATen's silu on F.silu's view: its bits
+    for (int64_t t = 0; t < T; ++t)  // act *= up (a product is one rounding however it is computed)
+      for (int64_t j = 0; j < F; ++j) actp[t * F + j] *= gup[t * 2 * F + F + j];
+    linear_to(actp, T, F, w[5], bias(3), d, op);
+    for (int64_t k = 0; k < T * d; ++k) xp[k] += op[k];
   }
   keep(L, x);
-  return {rms_norm(x, final_norm, eps), seen};
+  const at::Tensor hf = rms_norm(x, final_norm, eps);
+  const at::Tensor hl = hf.index_select(0, logit_index);  // [N, d]
+  return {hf, hl, row_linear(hl, head, head_bias, vocab), seen};
 }
 
 }  // namespace
@@ -570,10 +670,11 @@ TORCH_LIBRARY(specdec_cpu, m) {
   m.def("huge_empty(int nbytes) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor? mask, bool causal, float scale) -> Tensor");
-  m.def("decoder_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor[] weights, "
-        "Tensor?[] biases, int[] dims, float eps, Tensor final_norm, Tensor[] slot_mapping, Tensor[] slots, "
-        "Tensor?[] masks, int[] flags, Tensor[] q_index, Tensor[] out_index, int[] group_rows, float scale, "
-        "int[] capture, Tensor? rows) -> (Tensor, Tensor[])");
+  m.def("decoder_forward(Tensor tokens, Tensor positions, Tensor embed, Tensor cos_table, Tensor sin_table, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor[] weights, Tensor?[] biases, int[] dims, float eps, "
+        "Tensor final_norm, Tensor head, Tensor? head_bias, int vocab, Tensor logit_index, Tensor[] slot_mapping, "
+        "Tensor[] slots, Tensor?[] masks, int[] flags, Tensor[] q_index, Tensor[] out_index, int[] group_rows, "
+        "float scale, int[] capture, Tensor? rows) -> (Tensor, Tensor, Tensor, Tensor[])");
 }
 
 TORCH_LIBRARY_IMPL(specdec_cpu, CompositeExplicitAutograd, m) { m.impl("huge_empty", huge_empty); }
@@ -583,5 +684,5 @@ TORCH_LIBRARY_IMPL(specdec_cpu, CPU, m) {
   m.impl("row_linear_pack", pack);
   m.impl("rms_norm", rms_norm);
   m.impl("paged_attention", paged_attention);
-  m.impl("decoder_layers", decoder_layers);
+  m.impl("decoder_forward", decoder_forward);
 }
