@@ -14,7 +14,7 @@ Two ways to run it:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -213,16 +213,20 @@ def _native_forward(module: LlamaDecoder, inputs: DecoderInputs, groups: list[Pa
     projections, rope, cache writes, attention over ``groups`` and residuals, the final
     norm and the head, in the eager forward's order -> (h [T, d], h at the logit rows
     [N, d], logits [N, V], the captured layers' inputs)."""
-    weights, biases, dims, eps = module._native_weights()  # type: ignore[misc]
-    cache, head = groups[0].cache, module.lm_head
+    const = module._native_weights()  # (embed, weights, biases, dims, eps, final norm, head, vocab, scale)
+    assert const is not None
+    cache = groups[0].cache
+    if len(groups) == 1:  # (most steps: the lists without a loop)
+        g = groups[0]
+        per = ([g.inputs.slot_mapping], [g.slots], [g.mask], [int(g.causal), int(g.single)], [g.inputs.q_index],
+               [g.inputs.out_index], [g.inputs.positions.shape[0]])
+    else:
+        per = ([g.inputs.slot_mapping for g in groups], [g.slots for g in groups], [g.mask for g in groups],
+               [f for g in groups for f in (int(g.causal), int(g.single))], [g.inputs.q_index for g in groups],
+               [g.inputs.out_index for g in groups], [g.inputs.positions.shape[0] for g in groups])
     h, hl, logits, seen = torch.ops.specdec_cpu.decoder_forward.default(
-        inputs.tokens, inputs.positions, module.model.embed_tokens.weight, module.rope_cos, module.rope_sin,
-        cache.k, cache.v, weights, biases, dims, eps, module.model.norm.weight, head.packed, head.bias,
-        head.out_features, inputs.logit_index,
-        [g.inputs.slot_mapping for g in groups], [g.slots for g in groups], [g.mask for g in groups],
-        [f for g in groups for f in (int(g.causal), int(g.single))],
-        [g.inputs.q_index for g in groups], [g.inputs.out_index for g in groups],
-        [g.inputs.positions.shape[0] for g in groups], dims[2] ** -0.5, list(inputs.capture_layers), rows)
+        inputs.tokens, inputs.positions, cache.k, cache.v, inputs.logit_index, *per, list(inputs.capture_layers),
+        rows, module.rope_cos, module.rope_sin, *const)
     return h, hl, logits, list(seen)
 
 
@@ -446,9 +450,10 @@ class LlamaDecoder(RopeTables, DecoderModule):
         """Called by ``pack_layers``: what :meth:`_native_weights` gathered is stale."""
         self._native = None
 
-    def _native_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[int], float] | None:
-        """The operands of ``specdec_cpu::decoder_forward`` (weights, biases, dims, eps),
-        gathered once after packing; None where it does not serve this module: a layer or
+    def _native_weights(self) -> tuple[Any, ...] | None:
+        """The module's operands of ``specdec_cpu::decoder_forward`` (embedding, weights,
+        biases, dims, eps, final norm, head, its bias, vocabulary, attention scale), gathered
+        once after packing; None where it does not serve this module: a layer or
         the head not packed for our kernels (or not fused), Qwen3's q/k norms, tensor
         parallelism (its embedding, head and sums are not ours)."""
         if getattr(self, "_native", None) is not None:
@@ -475,8 +480,12 @@ class LlamaDecoder(RopeTables, DecoderModule):
             biases += [lin.bias for lin in lins]
         a0 = self.model.layers[0].self_attn if len(self.model.layers) else None
         ok = ok and a0 is not None and len(eps) == 1
-        self._native = (weights, biases, [a0.n_heads, a0.n_kv, a0.head_dim, self.config.intermediate_size,
-                                          len(self.model.layers)], eps.pop()) if ok else ()
+        if ok:
+            dims = [a0.n_heads, a0.n_kv, a0.head_dim, self.config.intermediate_size, len(self.model.layers)]
+            self._native = (embed.weight, weights, biases, dims, eps.pop(), self.model.norm.weight,
+                            self.lm_head.packed, self.lm_head.bias, self.lm_head.out_features, a0.head_dim ** -0.5)
+        else:
+            self._native = ()
         return self._native or None
 
     def _native_groups(self, attend: Attend) -> list[PagedAttend] | None:

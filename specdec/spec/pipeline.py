@@ -168,11 +168,16 @@ class DraftAndVerify(nn.Module):
                  state: RequestStateStore, tree_facts: tuple[int | None, int | None] | None = None,
                  compile_on: torch.device | None = None) -> None:
         super().__init__()
-        # ``compile_on`` (runtime.compile): a chain's verification runs as one compiled graph.
-        self.verify_sampled_chain = (compile_function(_verify_sampled_chain, compile_on)
-                                     if compile_on is not None else _verify_sampled_chain)
-        self.verify_greedy_chain = (compile_function(_verify_greedy_chain, compile_on)
-                                    if compile_on is not None else _verify_greedy_chain)
+        # ``compile_on`` (runtime.compile): a chain's verification runs as one compiled graph,
+        # unless the target's forward is one C++ call (LlamaDecoder.runs_natively): then the
+        # call's dynamo guards and wrappers cost more than the few eager ops they replace
+        # (built-in pair, batch 1: 0.63 ms a step compiled).
+        native = getattr(target, "runs_natively", False)
+        compile_verify = compile_on if not native else None
+        self.verify_sampled_chain = (compile_function(_verify_sampled_chain, compile_verify)
+                                     if compile_verify is not None else _verify_sampled_chain)
+        self.verify_greedy_chain = (compile_function(_verify_greedy_chain, compile_verify)
+                                    if compile_verify is not None else _verify_greedy_chain)
         self.target = target
         self.drafter = drafter
         self.drafts_after_verify = drafts_after_verify
@@ -187,8 +192,7 @@ class DraftAndVerify(nn.Module):
         # at every batch size, an n-gram's first batch-4 pass compiled for 385 s, not 101.
         # (Not for a target whose layers run as one C++ call: see LlamaDecoder.runs_natively.)
         self.target_verify_chain = (compile_method(self, type(self)._target_verify_chain, compile_on)
-                                    if compile_on is not None and not drafts_after_verify
-                                    and not getattr(target, "runs_natively", False) else None)
+                                    if compile_on is not None and not drafts_after_verify and not native else None)
         # Compiled on a CPU, a chain drafted before the step is verified by a target forward
         # that does not hide each row's non-finite new keys from the rows before it
         # (DecoderInputs.isolate_rows: the built-in target's bare 5-token compiled forward

@@ -141,3 +141,42 @@ def test_a_token_outside_the_vocabulary_is_an_error_that_names_it():
     inputs.kv_cache = KVCacheTensors(k=torch.zeros(shape), v=torch.zeros(shape))
     with torch.inference_mode(), pytest.raises(RuntimeError, match="token id 999 outside"):
         model(inputs)
+
+
+def test_the_draft_steps_give_the_python_chain_s_drafts_and_cache_writes():
+    """specdec_cpu::decoder_steps (a greedy chain's one-token steps of one request) against
+    DraftModelDrafter._chain_steps' loop: _one_token_step inputs, a forward, max(-1)."""
+    from specdec.spec.proposers.draft_model import _one_token_step
+
+    model = _decoder()
+    const = model._native_weights()
+    shape = (model.num_layers, 18 * BLOCK, 2, 16)
+    g = torch.Generator().manual_seed(2)
+    caches = [KVCacheTensors(k=torch.randn(shape, generator=g), v=torch.randn(shape, generator=g))]
+    caches.append(KVCacheTensors(k=caches[0].k.clone(), v=caches[0].v.clone()))
+    prompt, steps = PROMPTS[0], 3
+    slot = [TABLES[0][p // BLOCK] * BLOCK + p % BLOCK for p in range(len(prompt) + steps)]
+    positions = torch.arange(len(prompt), len(prompt) + steps).view(steps, 1)
+    step_slots = torch.tensor(slot[len(prompt):]).view(steps, 1)
+    gather = torch.tensor([slot])
+    with torch.inference_mode():
+        logits = []
+        for cache in caches:
+            inputs, _ = _pack(prompt, [0], [len(prompt)], TABLES[:1], BLOCK, 1, [0])
+            inputs.kv_cache = cache
+            logits.append(model(inputs).logits)
+        assert torch.equal(logits[0], logits[1])
+        native = torch.ops.specdec_cpu.decoder_steps.default(logits[0], positions, step_slots, gather, caches[0].k,
+                                                             caches[0].v, model.rope_cos, model.rope_sin, *const)
+        model._native = ()  # the Python loop, as _chain_steps runs it
+        lg, toks = logits[1], []
+        one = torch.arange(1)
+        for j in range(steps + 1):
+            toks.append(lg.max(-1).indices)
+            if j < steps:
+                step = _one_token_step(toks[-1], positions[j], step_slots[j], gather[:, : len(prompt) + j + 1],
+                                       caches[1], one, one.clone(), one.view(1, 1))
+                lg = model(step).logits
+        model._native = None
+    assert torch.equal(native, torch.stack(toks, dim=1)), (native, toks)
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)

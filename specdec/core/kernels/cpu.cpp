@@ -512,14 +512,14 @@ at::Tensor take_rows(const at::Tensor& table, const at::Tensor& index, const cha
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> decoder_forward(
-    const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& embed, const at::Tensor& cos_table,
-    const at::Tensor& sin_table, at::Tensor k_cache, at::Tensor v_cache, at::TensorList weights,
-    const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef dims, double eps,
-    const at::Tensor& final_norm, const at::Tensor& head, const std::optional<at::Tensor>& head_bias,
-    int64_t vocab, const at::Tensor& logit_index, at::TensorList slot_mapping, at::TensorList slots,
+    const at::Tensor& tokens, const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache,
+    const at::Tensor& logit_index, at::TensorList slot_mapping, at::TensorList slots,
     const c10::List<std::optional<at::Tensor>>& masks, at::IntArrayRef flags, at::TensorList q_index,
-    at::TensorList out_index, at::IntArrayRef group_rows, double scale, at::IntArrayRef capture,
-    const std::optional<at::Tensor>& rows) {
+    at::TensorList out_index, at::IntArrayRef group_rows, at::IntArrayRef capture,
+    const std::optional<at::Tensor>& rows, const at::Tensor& cos_table, const at::Tensor& sin_table,
+    const at::Tensor& embed, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
+    at::IntArrayRef dims, double eps, const at::Tensor& final_norm, const at::Tensor& head,
+    const std::optional<at::Tensor>& head_bias, int64_t vocab, double scale) {
   const at::Tensor x_in = take_rows(embed, tokens, "token id");
   const at::Tensor cos = take_rows(cos_table, positions, "position"), sin = take_rows(sin_table, positions, "position");
   TORCH_CHECK(dims.size() == 5, "specdec::decoder_forward: dims = [H, Hkv, D, intermediate, layers]");
@@ -662,6 +662,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> decoder_
   return {hf, hl, row_linear(hl, head, head_bias, vocab), seen};
 }
 
+// decoder_steps: a chain's γ - 1 one-token draft steps of one request, greedy, after its
+// catch-up: draft 0 is the argmax of the catch-up's ``logits`` [1, V]; step j feeds draft j at
+// ``step_positions[j]`` (writing ``step_slots[j]``), its keys the first S - steps + j + 1 slots
+// of ``gather`` [1, S], and draft j + 1 is the argmax of its logits -> drafts [1, steps + 1].
+// Each step is decoder_forward of one row (no mask: one request sees all its keys) and the
+// argmax is ATen's max(-1), as DraftModelDrafter._chain_steps computes them in Python.
+at::Tensor decoder_steps(const at::Tensor& logits, const at::Tensor& step_positions, const at::Tensor& step_slots,
+                         const at::Tensor& gather, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& cos_table,
+                         const at::Tensor& sin_table, const at::Tensor& embed, at::TensorList weights,
+                         const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef dims, double eps,
+                         const at::Tensor& final_norm, const at::Tensor& head,
+                         const std::optional<at::Tensor>& head_bias, int64_t vocab, double scale) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(0) == 1 && gather.dim() == 2 && gather.size(0) == 1 &&
+                  step_positions.dim() == 2 && step_positions.size(1) == 1 && step_slots.sizes() == step_positions.sizes() &&
+                  gather.size(1) >= step_positions.size(0),
+              "specdec::decoder_steps: want one request: logits [1, V], step_positions / step_slots [steps, 1], "
+              "gather [1, S], got ", logits.sizes(), ", ", step_positions.sizes(), ", ", gather.sizes());
+  const int64_t steps = step_positions.size(0), keys = gather.size(1) - steps;
+  const auto lopt = at::TensorOptions().dtype(at::kLong);
+  at::Tensor drafts = at::empty({1, steps + 1}, lopt);
+  const at::Tensor first = at::zeros({1}, lopt), q_index = at::zeros({1, 1}, lopt);
+  c10::List<std::optional<at::Tensor>> no_mask;
+  no_mask.push_back(std::nullopt);
+  const std::vector<int64_t> flags = {0, 1}, rows = {1}, capture = {};
+  at::Tensor lg = logits;
+  for (int64_t j = 0;; ++j) {
+    const at::Tensor t = std::get<1>(lg.max(-1));  // [1], the first maximum (greedy_tokens)
+    drafts.select(1, j).copy_(t);
+    if (j == steps) break;
+    const std::vector<at::Tensor> map = {step_slots[j]}, slots = {gather.narrow(1, 0, keys + j + 1).contiguous()};
+    const std::vector<at::Tensor> qi = {q_index}, oi = {first};
+    lg = std::get<2>(decoder_forward(t, step_positions[j], k_cache, v_cache, first, map, slots, no_mask, flags, qi, oi,
+                                     rows, capture, std::nullopt, cos_table, sin_table, embed, weights, biases, dims,
+                                     eps, final_norm, head, head_bias, vocab, scale));
+  }
+  return drafts;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specdec_cpu, m) {
@@ -670,11 +708,16 @@ TORCH_LIBRARY(specdec_cpu, m) {
   m.def("huge_empty(int nbytes) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor? mask, bool causal, float scale) -> Tensor");
-  m.def("decoder_forward(Tensor tokens, Tensor positions, Tensor embed, Tensor cos_table, Tensor sin_table, "
-        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor[] weights, Tensor?[] biases, int[] dims, float eps, "
-        "Tensor final_norm, Tensor head, Tensor? head_bias, int vocab, Tensor logit_index, Tensor[] slot_mapping, "
-        "Tensor[] slots, Tensor?[] masks, int[] flags, Tensor[] q_index, Tensor[] out_index, int[] group_rows, "
-        "float scale, int[] capture, Tensor? rows) -> (Tensor, Tensor, Tensor, Tensor[])");
+  // (The step's operands first, then the module's: weights, dims, eps, head, vocab, scale.)
+  m.def("decoder_forward(Tensor tokens, Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor logit_index, Tensor[] slot_mapping, Tensor[] slots, Tensor?[] masks, int[] flags, "
+        "Tensor[] q_index, Tensor[] out_index, int[] group_rows, int[] capture, Tensor? rows, "
+        "Tensor cos_table, Tensor sin_table, Tensor embed, Tensor[] weights, Tensor?[] biases, int[] dims, "
+        "float eps, Tensor final_norm, Tensor head, Tensor? head_bias, int vocab, float scale) "
+        "-> (Tensor, Tensor, Tensor, Tensor[])");
+  m.def("decoder_steps(Tensor logits, Tensor step_positions, Tensor step_slots, Tensor gather, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor cos_table, Tensor sin_table, Tensor embed, Tensor[] weights, Tensor?[] biases, "
+        "int[] dims, float eps, Tensor final_norm, Tensor head, Tensor? head_bias, int vocab, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec_cpu, CompositeExplicitAutograd, m) { m.impl("huge_empty", huge_empty); }
@@ -685,4 +728,5 @@ TORCH_LIBRARY_IMPL(specdec_cpu, CPU, m) {
   m.impl("rms_norm", rms_norm);
   m.impl("paged_attention", paged_attention);
   m.impl("decoder_forward", decoder_forward);
+  m.impl("decoder_steps", decoder_steps);
 }

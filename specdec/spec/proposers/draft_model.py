@@ -99,7 +99,8 @@ class DraftModelDrafter(Drafter):
         # guards and wrappers); other γ (adaptive γ's smaller ones) step by step.
         # A decoder whose layers run as one C++ call (LlamaDecoder.runs_natively) has no
         # per-call dynamo cost to save, and its forwards would break such a graph: none.
-        fuse = pipeline.runtime.compile and not getattr(self.decoder, "runs_natively", False)
+        self._native_steps = bool(getattr(self.decoder, "runs_natively", False))
+        fuse = pipeline.runtime.compile and not self._native_steps
         self._fused = (compile_method(self, type(self)._draft_chain, pipeline.device)
                        if fuse and self.tree is None else None)
         # ... and a tree of the method's budget its catch-up and every level (forwards, top-k
@@ -146,6 +147,14 @@ class DraftModelDrafter(Drafter):
                              max_depth=depth, max_children=kids)
         logits = self.decoder(batch.catch_up).logits  # [B, V]
         self.caught_up()
+        if samp is None and logits.shape[0] == 1 and batch.step_positions.shape[0] and self._native_steps:
+            # One request, greedy, on a decoder whose forward is one C++ call: its γ - 1 steps
+            # (and their argmax) in one more (specdec_cpu::decoder_steps: _chain_steps' bits).
+            const = self.decoder._native_weights()
+            tokens = torch.ops.specdec_cpu.decoder_steps.default(
+                logits, batch.step_positions, batch.step_slots, batch.gather_slots, kv.k, kv.v,
+                self.decoder.rope_cos, self.decoder.rope_sin, *const)
+            return DraftTree.chain(tokens, None)
         tokens, probs = self._chain_steps(logits, batch.step_positions, batch.step_slots, batch.gather_slots, kv,
                                           *rows, samp, batch.first_position)
         return DraftTree.chain(tokens, probs)
