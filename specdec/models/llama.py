@@ -6,7 +6,9 @@ Parameter names follow Hugging Face's, so an HF ``state_dict`` loads as is.
 Two ways to run it:
 
 - :meth:`LlamaDecoder.forward` — a packed ragged batch with a paged KV cache
-  (prefill and decode alike; see :mod:`specdec.core.inputs`);
+  (prefill and decode alike; see :mod:`specdec.core.inputs`). On our float32
+  CPU kernels it is one C++ call (``specdec_cpu::decoder_forward``) with the
+  eager Python forward's bits; elsewhere the Python below runs;
 - :meth:`LlamaDecoder.forward_dense` — ``[batch, seq]`` tokens, causal, no
   cache: for training and for quick checks.
 """

@@ -3,8 +3,10 @@
 :func:`cpu_kernels_available` builds ``cpu.cpp`` (torch's extension builder, a few
 seconds, once: the library is cached under torch's extensions folder, ``$TORCH_EXTENSIONS_DIR``
 or ``~/.cache/torch_extensions``) and loads it, which registers the float32 CPU ops
-``torch.ops.specdec_cpu.row_linear`` (with ``row_linear_pack``), ``rms_norm`` and
-``paged_attention``. The build is for this CPU
+``torch.ops.specdec_cpu.row_linear`` (with ``row_linear_pack``), ``rms_norm``,
+``paged_attention``, ``decoder_forward`` (a Llama forward on them in one call),
+``decoder_steps`` (a greedy draft chain's steps) and ``huge_empty`` (memory on huge
+pages). The build is for this CPU
 (``-march=native``), so its name carries a digest of the source, the flags, torch's version
 and the CPU's model and feature flags: another CPU, or an edited source, builds afresh.
 Where no compiler or OpenMP is at hand it returns False, with a warning, and the callers
