@@ -5,7 +5,10 @@
 // rms_norm — RMSNorm over the last dim, one pass a row (torch's eager rms_norm is a chain of
 // half a dozen ops on CPU: ~25 us a call against ~2 here, 21 calls a forward);
 // paged_attention — one layer's attention over the paged KV cache: each query row reads its
-// request's keys and values by slot, straight from the cache (no gathered copy).
+// request's keys and values by slot, straight from the cache (no gathered copy);
+// decoder_forward — a whole Llama forward on those three, in one call (LlamaDecoder.forward's
+// eager bits), and decoder_steps — one request's greedy draft chain of such forwards;
+// huge_empty — memory on transparent huge pages, for a model's packed weights.
 //
 // row_linear:
 //
