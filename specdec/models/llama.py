@@ -376,7 +376,8 @@ class RopeTables(nn.Module):
             self.rope_sin = emb.sin().to(device=positions.device, dtype=dtype)
             self._rope_len = n
         # (index_select: the rows ``table[positions]`` gives, at a third of its eager cost)
-        return self.rope_cos.index_select(0, positions).unsqueeze(1), self.rope_sin.index_select(0, positions).unsqueeze(1)
+        return (self.rope_cos.index_select(0, positions).unsqueeze(1),
+                self.rope_sin.index_select(0, positions).unsqueeze(1))
 
     def rope_for(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of ``positions`` [T]; after :meth:`ensure_rope`, without a host sync."""
