@@ -128,13 +128,10 @@ def weight_bytes(module: torch.nn.Module) -> int:
     """Bytes of ``module``'s weights as a decode step reads them: a packed projection's packed
     copy (bfloat16 where its values allow, :func:`specdec.core.linear.lossless_bf16`), every
     other parameter in the run's dtype (tied ones once)."""
-    from specdec.core.linear import Linear
+    from specdec.core.linear import Linear, called_linears
 
     linears = [m for m in module.modules() if isinstance(m, Linear)]
-    # A fused layer ([q; k; v], [gate; up]) holds its weight as a buffer; its parts' weights are
-    # views of it, and the forward calls the fused layer only.
-    fused = {m.weight.untyped_storage().data_ptr() for m in linears if "weight" in m._buffers}
-    called = [m for m in linears if "weight" in m._buffers or m.weight.untyped_storage().data_ptr() not in fused]
+    called = called_linears(linears)
     total = sum(m.packed.numel() * m.packed.element_size() for m in called if m.packed is not None)
     packed = {id(m.weight) for m in linears if m.packed is not None}
     # Parameters no packed layer reads for them (norms, embeddings that are not a tied head).

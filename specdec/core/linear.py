@@ -229,6 +229,14 @@ def pack_layers(module: nn.Module, kernel: str = "specdec") -> int:
     return n
 
 
+def called_linears(linears: list[Linear]) -> list[Linear]:
+    """Those of ``linears`` a forward calls, in order. A fused layer ([q; k; v], [gate; up])
+    holds its weight as a buffer and its parts' weights are views of it: the forward calls
+    the fused layer only (:meth:`Linear.fused`)."""
+    fused = {m.weight.untyped_storage().data_ptr() for m in linears if "weight" in m._buffers}
+    return [m for m in linears if "weight" in m._buffers or m.weight.untyped_storage().data_ptr() not in fused]
+
+
 def _into_one_arena(linears: list[Linear]) -> None:
     """Moves the packed weights of ``linears`` into one block of memory on huge pages
     (``specdec_cpu::huge_empty``), in module order, the layers' fused projections first (the
@@ -237,9 +245,8 @@ def _into_one_arena(linears: list[Linear]) -> None:
     CPU's prefetchers. The values do not change, only where they live."""
     if not linears:
         return
-    fused = {m.weight.untyped_storage().data_ptr() for m in linears if "weight" in m._buffers}
-    part = [m for m in linears if "weight" not in m._buffers and m.weight.untyped_storage().data_ptr() in fused]
-    order = [m for m in linears if m not in part] + part
+    called = called_linears(linears)
+    order = called + [m for m in linears if all(m is not c for c in called)]
     offsets, total = [], 0
     for m in order:
         assert m.packed is not None

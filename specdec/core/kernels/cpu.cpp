@@ -531,10 +531,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> decoder_
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 6 * L && static_cast<int64_t>(biases.size()) == 4 * L,
               "specdec::decoder_forward: want 6 weights and 4 biases a layer for ", L, " layers, got ",
               weights.size(), " and ", biases.size());
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
-                  cos.numel() == T * D && sin.numel() == T * D,
-              "specdec::decoder_forward: want float32 x [T, d] and contiguous cos/sin [T, 1, D], got x ",
-              x_in.sizes(), ", cos ", cos.sizes());
+  TORCH_CHECK(cos.size(1) == D && sin.size(1) == D, "specdec::decoder_forward: rope tables ", cos_table.sizes(),
+              " and ", sin_table.sizes(), " are not [positions, ", D, "]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == L && k_cache.size(2) == Hkv && k_cache.size(3) == D &&
                   k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous(),
               "specdec::decoder_forward: caches must be contiguous [", L, ", slots, ", Hkv, ", ", D, "], got ",
@@ -543,21 +541,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> decoder_
                   static_cast<int64_t>(masks.size()) == G && static_cast<int64_t>(flags.size()) == 2 * G &&
                   static_cast<int64_t>(q_index.size()) == G && static_cast<int64_t>(out_index.size()) == G,
               "specdec::decoder_forward: every attention group needs slot_mapping, slots, mask, flags and indices");
-  int64_t total = 0;
-  for (int64_t g = 0; g < G; ++g) {
-    TORCH_CHECK(slot_mapping[g].scalar_type() == at::kLong && slot_mapping[g].numel() == group_rows[g],
-                "specdec::decoder_forward: group ", g, "'s slot_mapping must be int64 [", group_rows[g], "]");
-    total += group_rows[g];
-  }
-  TORCH_CHECK(total == T, "specdec::decoder_forward: the groups hold ", total, " rows, x has ", T);
   const int64_t nslots = k_cache.size(1), kv_row = Hkv * D, qk_heads = H + Hkv, qkv_out = (H + 2 * Hkv) * D;
-  for (int64_t g = 0; g < G; ++g) {
-    const at::Tensor sm = slot_mapping[g].contiguous();
-    const int64_t* sp = sm.const_data_ptr<int64_t>();
-    for (int64_t i = 0; i < sm.numel(); ++i)
-      TORCH_CHECK(sp[i] >= 0 && sp[i] < nslots, "specdec::decoder_forward: slot ", sp[i], " outside the cache's ",
-                  nslots);
-  }
   // Each group's index operands, contiguous and checked once (the layers read them raw).
   struct Group {
     at::Tensor map, slots, mask, qidx, oidx;
@@ -566,10 +550,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> decoder_
   };
   std::vector<Group> gs(G);
   int64_t att_rows = 0;
-  for (int64_t g = 0, start = 0; g < G; ++g) {
+  int64_t start = 0;
+  for (int64_t g = 0; g < G; ++g) {
     Group& e = gs[g];
     e.n = group_rows[g], e.start = start, e.causal = flags[2 * g] != 0, e.single = flags[2 * g + 1] != 0;
     e.map = slot_mapping[g].contiguous();
+    TORCH_CHECK(e.map.scalar_type() == at::kLong && e.map.numel() == e.n,
+                "specdec::decoder_forward: group ", g, "'s slot_mapping must be int64 [", e.n, "]");
+    for (int64_t k = 0; k < e.n; ++k) {
+      const int64_t sm = e.map.const_data_ptr<int64_t>()[k];
+      TORCH_CHECK(sm >= 0 && sm < nslots, "specdec::decoder_forward: slot ", sm, " outside the cache's ", nslots);
+    }
     e.slots = slots[g].contiguous();
     TORCH_CHECK(e.slots.dim() == 2 && e.slots.scalar_type() == at::kLong,
                 "specdec::decoder_forward: group ", g, "'s slots must be int64 [B, S], got ", e.slots.sizes());
@@ -603,6 +594,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> decoder_
     att_rows = std::max(att_rows, e.B * e.Q);
     start += e.n;
   }
+  TORCH_CHECK(start == T, "specdec::decoder_forward: the groups hold ", start, " rows, the step ", T);
   const float* cp = cos.const_data_ptr<float>();
   const float* snp = sin.const_data_ptr<float>();
   std::vector<at::Tensor> seen(capture.size());
