@@ -246,7 +246,8 @@ def _into_one_arena(linears: list[Linear]) -> None:
     if not linears:
         return
     called = called_linears(linears)
-    order = called + [m for m in linears if all(m is not c for c in called)]
+    ids = {id(m) for m in called}
+    order = called + [m for m in linears if id(m) not in ids]
     offsets, total = [], 0
     for m in order:
         assert m.packed is not None
