@@ -267,3 +267,39 @@ def test_adaptive_gamma_measures_decode_steps_and_follows_them(tiny_llama) -> No
                 slow.pipeline.step_times.record(b, g, 10.0 if g else 1.0)
     assert [o.token_ids for o in slow.generate(prompts, sp)] == plain
     assert slow.pipeline.stats().counts.proposed == 0
+
+
+def test_a_step_carrying_a_prompt_beside_other_requests_drafts_nothing(tiny_llama) -> None:
+    """At batch > 1, a step with prompt rows decodes plain (drafting there throws the requests
+    out of step with each other); decode-only steps still draft, and every request's output
+    is plain decoding's. A third request joins while the first still decodes, so its
+    prompt lands in a mixed step."""
+    llm = _adaptive(tiny_llama, explore_tokens=0)  # the flat cost model: speculates
+    pipe = llm.pipeline
+    drafted: list[tuple[int, bool]] = []  # (batch size, step carries prompt rows) per drafting step
+    plain_steps: list[tuple[int, bool]] = []
+    prepare, plain_step = pipe.proposer.prepare, pipe.plain.step
+
+    def spy_prepare(batch, *a, **k):
+        drafted.append((len(batch), pipe.module.times.prefilling))
+        return prepare(batch, *a, **k)
+
+    def spy_plain(batch, num_new):
+        plain_steps.append((len(batch), max(num_new) > 1))
+        return plain_step(batch, num_new)
+
+    pipe.proposer.prepare, pipe.plain.step = spy_prepare, spy_plain
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11, 12]]
+    lengths = [24, 6, 12]  # the second ends early: the third's prompt joins the first's decoding
+    engine = llm.new_engine()
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+        llm._add(engine, p, SamplingParams(max_new_tokens=n, ignore_eos=True), f"r{i}")
+    got = {r.request_id: r.generated for r in engine.run()}
+    plain = LLM(tiny_llama(seed=0).path, runtime=RuntimeConfig(max_batch_size=2, max_seq_len=96))
+    want = [o.token_ids for o in plain.generate(prompts[:1], SamplingParams(max_new_tokens=24, ignore_eos=True))
+            + plain.generate(prompts[1:2], SamplingParams(max_new_tokens=6, ignore_eos=True))
+            + plain.generate(prompts[2:], SamplingParams(max_new_tokens=12, ignore_eos=True))]
+    assert [got[f"r{i}"] for i in range(3)] == want
+    assert (2, True) in plain_steps  # a mixed step happened, and ran plain ...
+    assert drafted and all(not (b > 1 and pre) for b, pre in drafted)  # ... and no drafting step was one
+    assert any(b == 2 for b, _ in drafted)  # decode-only steps at batch 2 still draft
