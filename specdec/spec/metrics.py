@@ -101,6 +101,15 @@ class SpecCounts:
             self.accepted_hist += [0] * (num_accepted + 1 - len(self.accepted_hist))
         self.accepted_hist[num_accepted] += 1
 
+    def record_plain(self) -> None:
+        """A step that drafted nothing: ``record(0, 0)`` without its loops (adaptive γ's
+        plain steps record one per request per step)."""
+        self.steps += 1
+        self.bonus += 1
+        if not self.accepted_hist:
+            self.accepted_hist.append(0)
+        self.accepted_hist[0] += 1
+
     def merge(self, other: SpecCounts) -> None:
         self.steps += other.steps
         self.proposed += other.proposed

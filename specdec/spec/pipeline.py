@@ -31,6 +31,7 @@ the next step, the proposer's own state), addressed by slot.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -647,7 +648,8 @@ class SpecDecodePipelineModel:
 
     @torch.inference_mode()
     def step(self, batch: list[TextContext], num_new: list[int]) -> list[list[int] | RequestFailure]:
-        unprocessed = [self.unprocessed(c) for c in batch]
+        name = self.target.cache_name
+        unprocessed = [len(c.tokens) - c.processed(name) for c in batch]
         if unprocessed == num_new:  # (the usual step: no partial prefill chunk)
             if self.step_times is None or max(unprocessed) > 1:
                 return self._spec_step(batch, [], unprocessed)
@@ -737,8 +739,8 @@ class SpecDecodePipelineModel:
         skipped then (at batch 16-64 it cost about 1% of a compiled step), and so are the
         per-request caps."""
         last = self._plain_for
-        return (last is not None and last[1] == tuple(self._drafter_running) and len(last[0]) == len(batch)
-                and all(a is b for a, b in zip(last[0], batch)))
+        return (last is not None and len(last[0]) == len(batch) and all(map(operator.is_, last[0], batch))
+                and last[1] == tuple(self._drafter_running))
 
     def _plain_step(self, batch: list[TextContext], chunks: list[tuple[TextContext, int]], unprocessed: list[int],
                     t: float) -> list[list[int] | RequestFailure]:
@@ -748,11 +750,11 @@ class SpecDecodePipelineModel:
         off this way where it cannot pay (large batches), so there it costs what plain
         decoding costs. Its time is the step's ``target_forward``."""
         fed = batch + [c for c, _ in chunks]
-        out = self.plain.step(fed, unprocessed + [n for _, n in chunks])[: len(batch)]
+        out = self.plain.decode(fed, unprocessed + [n for _, n in chunks])[: len(batch)]
         self.num_target_forwards += 1
         for c, toks in zip(batch, out):
             if not isinstance(toks, RequestFailure):
-                self._counts(c).record(0, 0)
+                self._counts(c).record_plain()
         self.module.times.lap("target_forward", t)
         self.module.times.prefilling = False
         return out

@@ -278,7 +278,7 @@ def test_a_step_carrying_a_prompt_beside_other_requests_drafts_nothing(tiny_llam
     pipe = llm.pipeline
     drafted: list[tuple[int, bool]] = []  # (batch size, step carries prompt rows) per drafting step
     plain_steps: list[tuple[int, bool]] = []
-    prepare, plain_step = pipe.proposer.prepare, pipe.plain.step
+    prepare, plain_step = pipe.proposer.prepare, pipe.plain.decode
 
     def spy_prepare(batch, *a, **k):
         drafted.append((len(batch), pipe.module.times.prefilling))
@@ -288,7 +288,7 @@ def test_a_step_carrying_a_prompt_beside_other_requests_drafts_nothing(tiny_llam
         plain_steps.append((len(batch), max(num_new) > 1))
         return plain_step(batch, num_new)
 
-    pipe.proposer.prepare, pipe.plain.step = spy_prepare, spy_plain
+    pipe.proposer.prepare, pipe.plain.decode = spy_prepare, spy_plain
     prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11, 12]]
     lengths = [24, 6, 12]  # the second ends early: the third's prompt joins the first's decoding
     engine = llm.new_engine()

@@ -58,6 +58,17 @@ def test_record_counts_one_request_by_hand() -> None:
     assert c.per_position == [2 / 3, 1 / 2, 1 / 1]
 
 
+@pytest.mark.parametrize("before", [[], [(0, 0)], [(3, 1), (2, 2)]])
+def test_a_plain_step_records_as_a_step_that_drafted_nothing(before) -> None:
+    a, b = SpecCounts(), SpecCounts()
+    for c in (a, b):
+        for n, k in before:
+            c.record(n, k)
+    a.record_plain()
+    b.record(0, 0)
+    assert a == b and a.steps == len(before) + 1
+
+
 def test_record_grows_with_the_largest_gamma_seen() -> None:
     c = SpecCounts()
     c.record(1, 1)  # reached [1],        kept [1]
