@@ -16,8 +16,9 @@ there).
 Ours runs with ``runtime.compile`` (``compile=true``, the default) and, at
 batch 1, eager beside it: the headline figures are the compiled ones, and
 ``compile_gain_*`` (per-pass eager over compiled time, paired; ``compile_graphs``
-counts the graphs compiled, 0 when compiling changed no code) / ``*_eager`` give
-the eager side. ``quick=true`` stays
+counts the graphs compiled, 0 when compiling changed no code; ``compile_gain_aa``,
+a second eager plain runner over the first, is the noise of such a ratio) /
+``*_eager`` give the eager side. ``quick=true`` stays
 about a minute: 4 prompts x 64 tokens, three passes of ours and one of HF's, no
 eager batch-1 rows, and an eager sweep (``sweep_compile``) of three passes per
 point (two at batch 64) without HF's batched reference.
@@ -174,6 +175,9 @@ def hf_generate(model: Any, prompt: list[int], new_tokens: int, **kw: Any) -> li
     return out[0, len(prompt):].tolist()
 
 
+AA_BATCH1 = "ours plain again"  # batch 1's A/A runner (eager plain, as "ours plain")
+
+
 def _ours(method: str, compiled: bool) -> str:
     return f"ours {method}" + (" (compiled)" if compiled else "")
 
@@ -203,8 +207,14 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
     for compiled in ([False, True] if cfg.compile and cfg.batch1_eager else [cfg.compile]):
         rt = with_room_for_bare(RuntimeConfig(max_batch_size=1, max_seq_len=max_len, compile=compiled,
                                               device=cfg.device, threads=cfg.threads))
+        if not compiled:
+            rt_eager = rt
         for m, mc in methods(cfg, draft).items():
             ours[_ours(m, compiled)] = LLM(target, method=mc, runtime=rt, engine_config=ec)
+    if cfg.compile and cfg.batch1_eager and cfg.sweep_aa:
+        # A/A for the compile gains: a second eager plain runner (its own weights and cache),
+        # so one paired per-pass ratio's noise sits beside them.
+        ours[AA_BATCH1] = LLM(target, runtime=rt_eager, engine_config=ec)
     c = cfg.compile  # the headline figures are for this mode
     n = cfg.new_tokens
     sp = SamplingParams(max_new_tokens=n, ignore_eos=True)
@@ -294,6 +304,9 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
             eager, compiled = timing.times[_ours(m, False)], timing.times[_ours(m, True)]
             out[f"compile_gain_{m}"] = statistics.median(e / t for e, t in zip(eager, compiled))
         out["compile_graphs"] = counters["stats"]["unique_graphs"] - graphs_before
+        if AA_BATCH1 in ours:
+            again, eager = timing.times[AA_BATCH1], timing.times[_ours("plain", False)]
+            out["compile_gain_aa"] = statistics.median(a / e for a, e in zip(again, eager))
         # The same over the decode phase (each request's first step, its prefill, left out): the
         # prefill is the same work either way, gains less from compiling (a long forward is
         # compute, not calls) and weighs more in the faster speculative pass; these two tell
@@ -459,7 +472,7 @@ def main(argv: list[str]) -> None:
         "compile": cfg.compile,
         "sweep_compile": cfg.sweep_compile,
     }
-    for k in ("compile_gain_plain", "compile_gain_draft_model", "compile_gain_decode_plain",
+    for k in ("compile_gain_plain", "compile_gain_draft_model", "compile_gain_aa", "compile_gain_decode_plain",
               "compile_gain_decode_draft_model", "draft_vs_hf_assisted_eager", "ngram_vs_hf_prompt_lookup_eager"):
         if k in head:
             figures[k] = round(head[k], 3)
