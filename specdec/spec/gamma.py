@@ -73,8 +73,11 @@ Later that day, the same sweep with the steps that carry a prompt at batch > 1 r
 (requests that accept a draft there fall out of step, and each pass ends on part-full
 batches): the n-gram at batch 4 read 0.986 against 0.976 before, the A/A 1.003-1.004.
 Built (``SpecDecodePipelineModel._spec_step``; drafters that draft after verifying are
-left as they were, unmeasured). The rest of the loss, about 1.4%, is the pipeline's own work in its plain steps
-(the draft model, plain in every batch-4 step, read 0.984-0.986).
+left as they were, unmeasured). The rest of the loss, about 1.4%, was the pipeline's own
+work in its plain steps (the draft model, plain in every batch-4 step, read 0.984-0.986);
+leaner plain steps cut its host time over plain decoding's from about 26 to 23 ms a pass
+of 32 requests x 32 tokens (2.2-2.4 s), and the full sweep then read 0.988-0.998 for
+both methods at batch 4-64.
 """
 
 from __future__ import annotations
