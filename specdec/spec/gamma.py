@@ -76,7 +76,7 @@ Built (``SpecDecodePipelineModel._spec_step``; drafters that draft after verifyi
 left as they were, unmeasured). The rest of the loss, about 1.4%, was the pipeline's own
 work in its plain steps (the draft model, plain in every batch-4 step, read 0.984-0.986);
 leaner plain steps cut its host time over plain decoding's from about 26 to 23 ms a pass
-of 32 requests x 32 tokens (2.2-2.4 s), and the full sweep then read 0.988-0.998 for
+of 32 requests x 32 tokens (2.2-2.4 s), and two full sweeps then read 0.988-1.001 for
 both methods at batch 4-64.
 """
 
