@@ -142,6 +142,9 @@ class CompareConfig:
     compile: bool = True  # ours with runtime.compile (its eager runs are measured alongside at batch 1)
     batch1_eager: bool = True  # with compile: time ours eager too at batch 1 (the compile_gain_* figures)
     device: str = "cpu"  # cuda: see gpu.sh (transformers runs there too)
+    # Ours' CPU projections (RuntimeConfig.cpu_linear): "onednn" or "aten" leave the native
+    # forward (it needs our kernel), so there compile=true compiles the decoders.
+    cpu_linear: str = "specdec"
 
 
 def load_pair(name: str) -> tuple[str, Path, Path, list[list[int]]]:
@@ -206,7 +209,7 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
     ours: dict[str, LLM] = {}
     for compiled in ([False, True] if cfg.compile and cfg.batch1_eager else [cfg.compile]):
         rt = with_room_for_bare(RuntimeConfig(max_batch_size=1, max_seq_len=max_len, compile=compiled,
-                                              device=cfg.device, threads=cfg.threads))
+                                              device=cfg.device, threads=cfg.threads, cpu_linear=cfg.cpu_linear))
         if not compiled:
             rt_eager = rt
         for m, mc in methods(cfg, draft).items():
@@ -383,7 +386,8 @@ def sweep(
     # once, and adaptive γ calibrates once.)
     pool = [prompts[i % len(prompts)] for i in range(max(*cfg.batch_sizes, cfg.sweep_min_requests))]
     rt = RuntimeConfig(max_batch_size=max(cfg.batch_sizes), max_seq_len=max(len(p) for p in pool) + n + 16,
-                       compile=bool(cfg.sweep_compile), device=cfg.device, threads=cfg.threads)
+                       compile=bool(cfg.sweep_compile), device=cfg.device, threads=cfg.threads,
+                       cpu_linear=cfg.cpu_linear)
     # Adaptive γ: speculation turns itself down (to plain decoding) where it cannot pay.
     llms = {k: LLM(target, method=mc, runtime=rt) for k, mc in methods(cfg, draft, adaptive=True).items()}
     if cfg.sweep_aa:  # a second plain runner of its own (its own weights and cache, as each contestant has)
@@ -471,6 +475,7 @@ def main(argv: list[str]) -> None:
         "pair": head["pair"],
         "compile": cfg.compile,
         "sweep_compile": cfg.sweep_compile,
+        "cpu_linear": cfg.cpu_linear,
     }
     for k in ("compile_gain_plain", "compile_gain_draft_model", "compile_gain_aa", "compile_gain_decode_plain",
               "compile_gain_decode_draft_model", "draft_vs_hf_assisted_eager", "ngram_vs_hf_prompt_lookup_eager"):
