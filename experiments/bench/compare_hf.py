@@ -210,14 +210,12 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
     for compiled in ([False, True] if cfg.compile and cfg.batch1_eager else [cfg.compile]):
         rt = with_room_for_bare(RuntimeConfig(max_batch_size=1, max_seq_len=max_len, compile=compiled,
                                               device=cfg.device, threads=cfg.threads, cpu_linear=cfg.cpu_linear))
-        if not compiled:
-            rt_eager = rt
         for m, mc in methods(cfg, draft).items():
             ours[_ours(m, compiled)] = LLM(target, method=mc, runtime=rt, engine_config=ec)
-    if cfg.compile and cfg.batch1_eager and cfg.sweep_aa:
-        # A/A for the compile gains: a second eager plain runner (its own weights and cache),
-        # so one paired per-pass ratio's noise sits beside them.
-        ours[AA_BATCH1] = LLM(target, runtime=rt_eager, engine_config=ec)
+        if not compiled and cfg.compile and cfg.sweep_aa:
+            # A/A for the compile gains: a second eager plain runner (its own weights and
+            # cache), so one paired per-pass ratio's noise sits beside them.
+            ours[AA_BATCH1] = LLM(target, runtime=rt, engine_config=ec)
     c = cfg.compile  # the headline figures are for this mode
     n = cfg.new_tokens
     sp = SamplingParams(max_new_tokens=n, ignore_eos=True)

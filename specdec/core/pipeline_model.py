@@ -216,7 +216,7 @@ class DecoderPipelineModel:
         # Most steps of a decode stay inside the blocks a request holds: nothing to do.
         if table is not None and len(table.blocks) * self.block_size >= num_tokens:
             return
-        self.caches[ctx.replica].reserve(self.table(ctx), num_tokens)
+        self.caches[ctx.replica].reserve(table if table is not None else self.table(ctx), num_tokens)
 
     def truncate(self, ctx: TextContext, num_tokens: int) -> None:
         table = self.table(ctx)

@@ -648,8 +648,7 @@ class SpecDecodePipelineModel:
 
     @torch.inference_mode()
     def step(self, batch: list[TextContext], num_new: list[int]) -> list[list[int] | RequestFailure]:
-        name = self.target.cache_name
-        unprocessed = [len(c.tokens) - c.processed(name) for c in batch]
+        unprocessed = [self.unprocessed(c) for c in batch]
         if unprocessed == num_new:  # (the usual step: no partial prefill chunk)
             if self.step_times is None or max(unprocessed) > 1:
                 return self._spec_step(batch, [], unprocessed)
