@@ -1,7 +1,10 @@
 """Trains the built-in model pair in ``specdec/zoo`` (target + distilled draft).
 
-    python experiments/train_zoo.py --out specdec/zoo            # full recipe (~25 min, 2 CPU cores)
-    python experiments/train_zoo.py --out /tmp/zoo --quick       # pipeline check (~1 min)
+    python experiments/train_zoo.py --out specdec/zoo --overwrite   # full recipe (~25 min, 2 CPU cores)
+    python experiments/train_zoo.py --out /tmp/zoo --quick          # pipeline check (~1 min)
+
+Files it would replace in ``--out`` (the two model dirs, prompts, README, MANIFEST) need
+``--overwrite``; each model dir is built aside and renamed into place, never mixed.
 
 Corpus: the running interpreter's stdlib ``.py`` files (no site-packages, no
 test dirs); 1 file in 20 (by sha256 of its relative path) is held out for
@@ -30,7 +33,11 @@ from specdec.train.config import EvalConfig, RecipeConfig, TargetDir, TrainAppCo
 from specdec.train.data import DataConfig
 from specdec.train.draft import evenly_spread
 from specdec.train.export import round_to_bf16_, save_hf
+from specdec.train.state import staged_dir
 from specdec.train.tokenizer import EOS_TOKEN, encode_documents, train_tokenizer
+
+WRITES = ("code-target", "code-draft", "prompts.jsonl", "README.md", "MANIFEST.json")  # what --overwrite replaces
+
 
 def model_spec(layers: int) -> lm.ModelSpec:
     """Both models share width and heads; they differ in depth (the draft is cheap
@@ -60,12 +67,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2,
                     help="torch threads (use 1 when other jobs share the CPU: far less contention)")
     ap.add_argument("--n-prompts", type=int, default=32)
+    ap.add_argument("--overwrite", action="store_true", help="replace the files and model dirs already in --out")
     args = ap.parse_args(argv)
+    out = Path(args.out)
+    present = sorted(n for n in WRITES if (out / n).exists())
+    if present and not args.overwrite:
+        print(f"train_zoo: error: {out} holds {', '.join(present)} already; pass --overwrite to replace them",
+              file=sys.stderr)
+        return 2
     if args.quick:
         args.target_steps, args.draft_steps, args.vocab_size = 30, 30, 1024
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
 
@@ -101,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     round_to_bf16_(target)  # the shipped weights; the draft is distilled from these
     t_loss = lm.eval_loss(target, windows)
     print(f"target: held-out loss {t_loss_fp32:.4f} (fp32) {t_loss:.4f} (bf16) in {t_stats.wall_time_s:.0f}s", flush=True)
-    save_hf(target, tok, out / "code-target")
+    with staged_dir(out / "code-target", overwrite=True) as stage:
+        save_hf(target, tok, stage)
 
     # --- draft: the framework's draft_model recipe (python -m specdec.train train=draft_model) ---
     # distilled from the saved (bf16) target: KL(target || draft) at every position, starting
@@ -117,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             train=d_train, target=TargetDir(str(out / "code-target")),
             data=DataConfig(corpus="stdlib", max_files=80 if args.quick else None),
             eval=EvalConfig(prompts=8, new_tokens=32, loss_windows=8), logger=LoggerConfig(name="none"),
-            seed=args.seed + 1, out_dir=str(out / "code-draft"), checkpoint_every=0, threads=args.threads,
+            seed=args.seed + 1, out_dir=str(out / "code-draft"), overwrite=args.overwrite, checkpoint_every=0,
+            threads=args.threads,
         ), run_dir)
     draft = load_decoder(out / "code-draft", dtype=torch.float32).module
     d_loss = lm.eval_loss(draft, windows)

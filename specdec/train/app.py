@@ -18,13 +18,16 @@ simulated τ at ``eval.gamma`` (greedy chain speculation on the target's own
 continuations of held-out prompts) are logged too.
 
 Every ``checkpoint_every`` steps (and at the end, at ``stop_after``, on
-Ctrl-C / SIGTERM) ``train_state.pt`` in the run dir is rewritten atomically:
-the module, optimizer, RNG state and step (the step fixes the data cursor:
-batch ``g`` is a function of the seed and ``g``). ``resume_dir=<run dir>``
+Ctrl-C / SIGTERM) ``train_state.safetensors`` in the run dir is rewritten
+atomically: the module, optimizer, RNG state and step (the step fixes the data
+cursor: batch ``g`` is a function of the seed and ``g``), tensors plus JSON,
+never a pickle (:mod:`specdec.train.state`). ``resume_dir=<run dir>``
 continues it; a resumed run ends with the same weights as an uninterrupted
-one. The result goes to ``out_dir`` (default ``<run dir>/out``) in the
-published layout (an EAGLE head: ``config.json`` + ``model.safetensors``, bf16;
-a draft model: a Hugging Face Llama checkpoint) with ``tokenizer.json`` and
+one. The result goes to ``out_dir`` (default ``<run dir>/out``; a non-empty
+one only with ``overwrite=true``, replaced whole: built in a temporary
+directory and renamed into place) in the published layout (an EAGLE head:
+``config.json`` + ``model.safetensors``, bf16; a draft model: a Hugging Face
+Llama checkpoint) with ``tokenizer.json`` and
 ``manifest.json`` (recipe, seed, data split and counts, loss curves, held-out
 τ of the saved weights, sha256 of every file, wall time, torch, threads).
 """
@@ -49,21 +52,20 @@ import torch
 
 from specdec.logging.progress import Progress, fmt_duration
 from specdec.train.config import TrainAppConfig, TrainConfigError, to_plain, to_train_config
+from specdec.train.state import (TrainError, apply_state, check_out_dir, read_state, read_tensors, save_state,
+                                 staged_dir, write_tensors)
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "train_state.pt"
+STATE_FILE = "train_state.safetensors"
+PICKLED_STATE_FILE = "train_state.pt"  # older specdec's pickle: refused, never read
 CONFIG_FILE = "train_config.json"
 HISTORY_FILE = "history.jsonl"
 MANIFEST = "manifest.json"
 PREFIX = "specdec.train"
 # Config keys a resumed run may change (everything else must match the saved run's).
 RESUMABLE_CHANGES = ("stop_after", "resume", "resume_dir", "run_dir", "logger", "progress", "threads",
-                     "out_dir", "data.cache_dir", "checkpoint_every", "eval")
-
-
-class TrainError(RuntimeError):
-    """A run that cannot start or continue (the message says why)."""
+                     "out_dir", "overwrite", "data.cache_dir", "checkpoint_every", "eval")
 
 
 class Stopped(Exception):
@@ -110,17 +112,8 @@ def build_train_logger(cfg: TrainAppConfig) -> Any:
 
 
 # --------------------------------------------------------------------------------------------
-# state: atomic save, resume
+# state: resume
 # --------------------------------------------------------------------------------------------
-def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temporary file in the same dir, then rename over ``path``."""
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -182,27 +175,27 @@ def lr_at(step: int, steps: int, lr: float, warmup: int, min_ratio: float) -> fl
 # --------------------------------------------------------------------------------------------
 # the run
 # --------------------------------------------------------------------------------------------
-GENERATED_FILE = "generated.pt"
+GENERATED_FILE = "generated.safetensors"
 
 
 def self_distillation_text(cfg: TrainAppConfig, target_dir: Path, train_ids: torch.Tensor, sep: int,
                            run_dir: Path, progress: Progress) -> torch.Tensor:
     """``data.generate``'s documents (:func:`specdec.train.data.generated_documents`), made once
-    per run dir: a resumed run reads them back from ``generated.pt``."""
+    per run dir: a resumed run reads them back from ``generated.safetensors``."""
     from specdec.train import data as D
 
     g = cfg.data.generate
     path = run_dir / GENERATED_FILE
     key = [g.prompts, g.prompt_len, g.new_tokens, int(train_ids.numel()), int(train_ids.sum())]
     if path.is_file():
-        saved = torch.load(path)
-        if saved["key"] == key:
-            progress.line(f"self-distillation text: {saved['tokens'].numel():,} tokens from {path}")
-            return saved["tokens"]
+        tensors, meta = read_tensors(path, "self-distillation text")
+        if meta.get("key") == key and "tokens" in tensors:
+            progress.line(f"self-distillation text: {tensors['tokens'].numel():,} tokens from {path}")
+            return tensors["tokens"]
     t0 = time.perf_counter()
     with progress.phase(f"self-distillation text: {g.prompts} windows x {g.new_tokens} greedy tokens"):
         tokens = D.generated_documents(target_dir, train_ids, g, sep)
-    atomic_save({"key": key, "tokens": tokens}, path)
+    write_tensors(path, {"tokens": tokens}, {"key": key})
     progress.line(f"self-distillation text: {tokens.numel():,} tokens in {fmt_duration(time.perf_counter() - t0)}")
     return tokens
 
@@ -244,14 +237,29 @@ def train(cfg: TrainAppConfig, run_dir: str | Path) -> dict[str, Any]:
     state_path = run_dir / STATE_FILE
     plain = to_plain(cfg)
     state: dict[str, Any] | None = None
+    out = Path(cfg.out_dir) if cfg.out_dir else run_dir / "out"
+    if out.resolve() == run_dir.resolve() or out.resolve() in run_dir.resolve().parents:
+        raise TrainError(f"out_dir {out} holds the run dir {run_dir} (the output replaces out_dir whole)")
+    # A resumed run may replace its own default output; any other non-empty out_dir needs overwrite=true.
+    replace_out = cfg.overwrite or (resume and not cfg.out_dir)
+    check_out_dir(out, overwrite=replace_out)
+    pickled = run_dir / PICKLED_STATE_FILE
+    if pickled.exists():
+        raise TrainError(f"{pickled}: a pickled training state (older specdec) is never loaded, as unpickling "
+                         f"can run code; start the run again in a new run dir")
     if resume:
         if not state_path.is_file():
             raise TrainError(f"resume: no {STATE_FILE} in {run_dir} (nothing to continue)")
-        saved = json.loads((run_dir / CONFIG_FILE).read_text())
+        try:
+            saved = json.loads((run_dir / CONFIG_FILE).read_text())
+        except (OSError, ValueError) as e:
+            raise TrainError(f"{run_dir / CONFIG_FILE}: not a readable run config ({e})") from None
+        if not isinstance(saved, dict):
+            raise TrainError(f"{run_dir / CONFIG_FILE}: not a readable run config (not a JSON object)")
         bad = config_changes(saved, plain)
         if bad:
             raise TrainError("resume: the config differs from the saved run's in " + "; ".join(bad))
-        state = torch.load(state_path, weights_only=False)
+        state = read_state(state_path)
     else:
         if state_path.is_file():
             raise TrainError(f"{run_dir} holds a run already ({STATE_FILE}); continue it with "
@@ -297,10 +305,7 @@ def train(cfg: TrainAppConfig, run_dir: str | Path) -> dict[str, Any]:
     step = 0
     wall_before = 0.0
     if state is not None:
-        module.load_state_dict(state["module"])
-        opt.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"])
-        noise_gen.set_state(state["noise_rng"])
+        apply_state(state, state_path, module, opt, noise_gen)
         history = state["history"]
         step = int(state["step"])
         wall_before = float(state.get("wall_s", 0.0))
@@ -322,11 +327,9 @@ def train(cfg: TrainAppConfig, run_dir: str | Path) -> dict[str, Any]:
     logger.start(name=f"train-{rc.recipe}", run_dir=run_dir, config=plain, resume=resume,
                  tags=(f"recipe:{rc.recipe}", f"target:{target_dir.name}"), job_type="train")
 
-    def save_state() -> None:
-        atomic_save({"step": step, "module": module.state_dict(), "optimizer": opt.state_dict(),
-                     "torch_rng": torch.get_rng_state(), "noise_rng": noise_gen.get_state(),
-                     "history": history, "wall_s": wall_before + time.perf_counter() - t_session},
-                    state_path)
+    def checkpoint() -> None:
+        save_state(state_path, step=step, module=module, optimizer=opt, torch_rng=torch.get_rng_state(),
+                   noise_rng=noise_gen.get_state(), history=history, wall_s=wall_before + time.perf_counter() - t_session)
 
     def evaluate(kind: str) -> dict[str, Any]:
         row: dict[str, Any] = {"step": step, "epoch": order.epoch_of(max(0, step - 1)), "at": kind}
@@ -385,19 +388,19 @@ def train(cfg: TrainAppConfig, run_dir: str | Path) -> dict[str, Any]:
                 if step < rc.steps and (epoch_done or (cfg.eval.every and step % cfg.eval.every == 0)):
                     evaluate("epoch" if epoch_done else "interval")
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < rc.steps:
-                    save_state()
+                    checkpoint()
                 if cfg.stop_after is not None and step >= cfg.stop_after and step < rc.steps:
-                    save_state()
+                    checkpoint()
                     stopped = True
                     break
             if not stopped:
                 if not (history["eval"] and history["eval"][-1]["step"] == step):
                     evaluate("end")
-                save_state()
+                checkpoint()
     except KeyboardInterrupt:
         progress.close()
         if not updating:
-            save_state()
+            checkpoint()
         progress.line(f"interrupted at step {step}: state saved; continue with resume_dir={run_dir}")
         logger.finish()
         raise
@@ -410,68 +413,69 @@ def train(cfg: TrainAppConfig, run_dir: str | Path) -> dict[str, Any]:
 
     # --- the output ---------------------------------------------------------------------------
     wall = wall_before + time.perf_counter() - t_session
-    out = Path(cfg.out_dir) if cfg.out_dir else run_dir / "out"
-    out.mkdir(parents=True, exist_ok=True)
-    files = recipe.save(out, target_dir)
-    saved_module = recipe.load_saved(out)
-    shipped_tau = recipe.tau(ev, cfg.eval.gamma, saved_module)
-    shipped_loss = None
-    if ev.loss_windows is not None:
-        import inspect
+    # built in a temporary dir renamed into place: out is the old drafter or the new one, never a mix
+    with staged_dir(out, overwrite=replace_out) as stage:
+        files = recipe.save(stage, target_dir)
+        saved_module = recipe.load_saved(stage)
+        shipped_tau = recipe.tau(ev, cfg.eval.gamma, saved_module)
+        shipped_loss = None
+        if ev.loss_windows is not None:
+            import inspect
 
-        if len(inspect.signature(recipe.eval_loss).parameters) >= 2:  # eval_loss(feats, module)
-            shipped_loss = recipe.eval_loss(ev.loss_windows, saved_module)
-    train_rows = history["train"]
-    every = max(1, len(train_rows) // 50)
-    curve = [[r["step"], r["loss"]] for r in train_rows if r["step"] % every == 0 or r["step"] == len(train_rows)]
-    tail = train_rows[-min(20, len(train_rows)) :]
-    manifest = {
-        "description": f"{rc.recipe} drafter for {target_dir.name}, trained by python -m specdec.train",
-        "recipe": rc.recipe,
-        "command": "python -m specdec.train " + " ".join(sys.argv[1:]) if sys.argv[0].endswith(("__main__.py", "app.py"))
-        else None,
-        "config": plain,
-        "seed": cfg.seed,
-        "target": {"path": str(target_dir), "config_sha256": sha256(target_dir / "config.json"),
-                   "layers": target.config.num_hidden_layers, "hidden": target.config.hidden_size,
-                   "vocab": target.config.vocab_size},
-        "module": {**recipe.info, "params": sum(p.numel() for p in module.parameters())},
-        "data": {**split.describe(), "train_tokens": int(train_ids.numel()), "held_out_tokens": int(held_ids.numel()),
-                 "generated": None if generated is None else {
-                     "tokens": int(generated.numel()), "only": cfg.data.generate.only,
-                     "rule": f"{cfg.data.generate.prompts} windows of {cfg.data.generate.prompt_len} train-stream "
-                             f"tokens (starts evenly spaced), each continued greedily by the target for up to "
-                             f"{cfg.data.generate.new_tokens} tokens; separator, window, continuation"},
-                 "document_format": f"token {sep} before each document, documents concatenated in order",
-                 "windows": {"train_windows": order.num_windows, "seq_len": rc.seq_len,
-                             "batches_per_epoch": order.batches_per_epoch,
-                             "order": f"per epoch: chunks of {cfg.data.chunk_windows} windows in a seeded random "
-                                      "order, windows shuffled within each chunk",
-                             "epochs_seen": round(step / order.batches_per_epoch, 3),
-                             "tokens_seen": step * rc.batch_size * rc.seq_len},
-                 "features": "cached on disk in chunks" if cfg.data.cache_dir else "computed on the fly",
-                 "heldout_eval": ev.describe()},
-        "losses": {"first": train_rows[0] if train_rows else None,
-                   "final_mean_last_20": {k: round(sum(r[k] for r in tail) / len(tail), 5)
-                                          for k in tail[0] if k not in ("step", "lr")} if tail else None,
-                   "curve": curve, "eval": history["eval"]},
-        "heldout": {"gamma": cfg.eval.gamma, "tau_rule": "tokens per target call after the prefill, greedy "
-                    "chain speculation simulated on the target's own greedy continuations of held-out prompts",
-                    "final_fp32": history["eval"][-1] if history["eval"] else None,
-                    "shipped": {"tau": round(shipped_tau["tau"], 4),
-                                "tau_with_prefill": round(shipped_tau["tau_with_prefill"], 4),
-                                "alpha": round(shipped_tau["alpha"], 4),
-                                **({"loss": round(shipped_loss["loss"], 5)} if shipped_loss else {}),
-                                # a recipe whose drafter builds static trees from ranks (Medusa) measures one
-                                **({"static_tree": shipped_tau["static_tree"]} if "static_tree" in shipped_tau else {})},
-                    "draft_model_same_prompts": comparison},
-        "environment": {"python": platform.python_version(), "torch": torch.__version__,
-                        "threads": torch.get_num_threads(), "machine": platform.machine()},
-        "wall_time_s": round(wall, 1),
-        "steps": step,
-        "files": {p.name: {"sha256": sha256(p), "bytes": p.stat().st_size} for p in sorted(files)},
-    }
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+            if len(inspect.signature(recipe.eval_loss).parameters) >= 2:  # eval_loss(feats, module)
+                shipped_loss = recipe.eval_loss(ev.loss_windows, saved_module)
+        train_rows = history["train"]
+        every = max(1, len(train_rows) // 50)
+        curve = [[r["step"], r["loss"]] for r in train_rows if r["step"] % every == 0 or r["step"] == len(train_rows)]
+        tail = train_rows[-min(20, len(train_rows)) :]
+        manifest = {
+            "description": f"{rc.recipe} drafter for {target_dir.name}, trained by python -m specdec.train",
+            "recipe": rc.recipe,
+            "command": "python -m specdec.train " + " ".join(sys.argv[1:]) if sys.argv[0].endswith(("__main__.py", "app.py"))
+            else None,
+            "config": plain,
+            "seed": cfg.seed,
+            "target": {"path": str(target_dir), "config_sha256": sha256(target_dir / "config.json"),
+                       "layers": target.config.num_hidden_layers, "hidden": target.config.hidden_size,
+                       "vocab": target.config.vocab_size},
+            "module": {**recipe.info, "params": sum(p.numel() for p in module.parameters())},
+            "data": {**split.describe(), "train_tokens": int(train_ids.numel()), "held_out_tokens": int(held_ids.numel()),
+                     "generated": None if generated is None else {
+                         "tokens": int(generated.numel()), "only": cfg.data.generate.only,
+                         "rule": f"{cfg.data.generate.prompts} windows of {cfg.data.generate.prompt_len} train-stream "
+                                 f"tokens (starts evenly spaced), each continued greedily by the target for up to "
+                                 f"{cfg.data.generate.new_tokens} tokens; separator, window, continuation"},
+                     "document_format": f"token {sep} before each document, documents concatenated in order",
+                     "windows": {"train_windows": order.num_windows, "seq_len": rc.seq_len,
+                                 "batches_per_epoch": order.batches_per_epoch,
+                                 "order": f"per epoch: chunks of {cfg.data.chunk_windows} windows in a seeded random "
+                                          "order, windows shuffled within each chunk",
+                                 "epochs_seen": round(step / order.batches_per_epoch, 3),
+                                 "tokens_seen": step * rc.batch_size * rc.seq_len},
+                     "features": "cached on disk in chunks" if cfg.data.cache_dir else "computed on the fly",
+                     "heldout_eval": ev.describe()},
+            "losses": {"first": train_rows[0] if train_rows else None,
+                       "final_mean_last_20": {k: round(sum(r[k] for r in tail) / len(tail), 5)
+                                              for k in tail[0] if k not in ("step", "lr")} if tail else None,
+                       "curve": curve, "eval": history["eval"]},
+            "heldout": {"gamma": cfg.eval.gamma, "tau_rule": "tokens per target call after the prefill, greedy "
+                        "chain speculation simulated on the target's own greedy continuations of held-out prompts",
+                        "final_fp32": history["eval"][-1] if history["eval"] else None,
+                        "shipped": {"tau": round(shipped_tau["tau"], 4),
+                                    "tau_with_prefill": round(shipped_tau["tau_with_prefill"], 4),
+                                    "alpha": round(shipped_tau["alpha"], 4),
+                                    **({"loss": round(shipped_loss["loss"], 5)} if shipped_loss else {}),
+                                    # a recipe whose drafter builds static trees from ranks (Medusa) measures one
+                                    **({"static_tree": shipped_tau["static_tree"]} if "static_tree" in shipped_tau else {})},
+                        "draft_model_same_prompts": comparison},
+            "environment": {"python": platform.python_version(), "torch": torch.__version__,
+                            "threads": torch.get_num_threads(), "machine": platform.machine()},
+            "wall_time_s": round(wall, 1),
+            "steps": step,
+            "files": {p.name: {"sha256": sha256(p), "bytes": p.stat().st_size} for p in sorted(files)},
+        }
+        (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    files = [out / p.name for p in files]
     logger.log_summary({"heldout": manifest["heldout"], "wall_time_s": manifest["wall_time_s"], "steps": step})
     logger.log_table("loss_curve", ["step", "loss"], curve)
     logger.log_artifact(f"{rc.recipe}-drafter", "model", {p.name: p for p in [*files, out / MANIFEST]},
@@ -509,6 +513,23 @@ def run_from_hydra(cfg: Any) -> dict[str, Any] | None:
         raise _fail("interrupted", e, 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)) from None
 
 
+def _check_overrides(args: list[str], config_path: str) -> None:
+    """Composes the config once before Hydra does, so a key or value that does not fit the
+    schema (``train.lr=abc``, a misspelt key) ends as every other bad input: ``specdec.train:
+    error: …`` naming the key, exit 2. Command lines with flags (``-m``, ``--cfg``…) are Hydra's."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    if any(a.startswith("-") for a in args):
+        return
+    try:
+        with initialize_config_dir(config_dir=config_path, version_base="1.3"):
+            compose(config_name="train", overrides=args)
+    except ConfigCompositionException as e:
+        why = [line.strip() for line in str(e.__cause__ or "").splitlines() if line.strip()]
+        raise _fail("error", RuntimeError(" ".join([str(e).splitlines()[0], *why[:2]])), 2) from None
+
+
 def main() -> None:
     """``python -m specdec.train`` (arguments: Hydra overrides)."""
     import hydra
@@ -518,6 +539,7 @@ def main() -> None:
 
     os.environ.setdefault("WANDB_SILENT", "true")
     register_schema()
+    _check_overrides(sys.argv[1:], str(config_dir()))
     app = hydra.main(config_path=str(config_dir()), config_name="train", version_base="1.3")(run_from_hydra)
     app()
 

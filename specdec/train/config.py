@@ -6,6 +6,7 @@ objects (:func:`to_train_config`), naming the key.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -69,8 +70,17 @@ class RecipeConfig:
             raise ValueError(f"train.ce_target must be soft or argmax, got {self.ce_target!r}")
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"train.precision must be fp32 or bf16, got {self.precision!r}")
+        for key in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "step_decay", "ce_weight", "feature_weight",
+                    "feature_noise", "kd_weight", "kd_temperature"):
+            if not math.isfinite(getattr(self, key)):
+                raise ValueError(f"train.{key} must be a finite number, got {getattr(self, key)}")
+        if len(self.betas) != 2 or not all(math.isfinite(b) and 0 <= b < 1 for b in self.betas):
+            raise ValueError(f"train.betas must be two numbers in [0, 1), got {list(self.betas)}")
         if self.lr <= 0:
             raise ValueError(f"train.lr must be > 0, got {self.lr}")
+        if self.weight_decay < 0 or self.kd_temperature <= 0:
+            raise ValueError(f"train.weight_decay must be >= 0 and train.kd_temperature > 0, got "
+                             f"{self.weight_decay} and {self.kd_temperature}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.warmup_steps < 0 or self.grad_clip < 0 or self.feature_noise < 0:
@@ -121,10 +131,11 @@ class TrainAppConfig:
     seed: int = 0
     out_dir: Optional[str] = None  # the trained drafter (published layout + manifest.json); None: <run dir>/out
     run_dir: Optional[str] = None  # None: Hydra's run dir
-    checkpoint_every: int = 50  # steps between checkpoints (train_state.pt in the run dir); 0: only at the end
+    checkpoint_every: int = 50  # steps between checkpoints (train_state.safetensors in the run dir); 0: only at the end
     stop_after: Optional[int] = None  # stop (as if interrupted) once this many steps are done and saved
-    resume: bool = False  # continue from the run dir's train_state.pt
+    resume: bool = False  # continue from the run dir's train_state.safetensors
     resume_dir: Optional[str] = None  # a previous run dir to continue in place (implies resume)
+    overwrite: bool = False  # replace a non-empty out_dir (whole; a resumed run may always replace <run dir>/out)
     threads: Optional[int] = 2  # torch threads (None: leave as is)
     progress: bool = True  # a bar on a terminal, else a line every few seconds
 

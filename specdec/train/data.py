@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -260,8 +259,9 @@ class Features:
 
 class TargetFeatures:
     """Runs the frozen target (no grad) and returns :class:`Features`; with ``cache_dir``
-    each chunk of windows is computed once and kept on disk (``chunk_<i>.pt``, written to a
-    temporary name and renamed, so an interrupted write is never read)."""
+    each chunk of windows is computed once and kept on disk (``chunk_<i>.safetensors``, written
+    to a temporary name and renamed, so an interrupted write is never read; an unreadable one is
+    an error naming it)."""
 
     def __init__(self, target: LlamaDecoder, capture: Sequence[int] = (), *, cache_dir: str | Path | None = None,
                  chunk_windows: int = 64, batch: int = 16, key: str = "") -> None:
@@ -313,17 +313,20 @@ class TargetFeatures:
             self._chunks.move_to_end(ci)
             return self._chunks[ci]
         assert self.cache_dir is not None
-        f = self.cache_dir / f"chunk_{ci:06d}.pt"
+        from specdec.train.state import TrainError, read_tensors, write_tensors
+
+        f = self.cache_dir / f"chunk_{ci:06d}.safetensors"
         if f.is_file():
-            d = torch.load(f, weights_only=True)
+            d, _ = read_tensors(f, "feature cache chunk")
+            if "tokens" not in d or "hidden" not in d:
+                raise TrainError(f"{f}: not a readable feature cache chunk (no tokens or hidden); delete it")
             feats = Features(d["tokens"], d["hidden"], d.get("aux"))
         else:
             c = self.chunk_windows
             ids = torch.arange(ci * c, min(order.num_windows, (ci + 1) * c))
             feats = self.run(order.windows(stream, ids))
-            tmp = f.with_name(f.name + f".tmp{os.getpid()}")
-            torch.save({"tokens": feats.tokens, "hidden": feats.hidden, "aux": feats.aux}, tmp)
-            os.replace(tmp, f)
+            write_tensors(f, {"tokens": feats.tokens, "hidden": feats.hidden,
+                              **({"aux": feats.aux} if feats.aux is not None else {})}, {"chunk": ci})
         self._chunks[ci] = feats
         while len(self._chunks) > 4:
             self._chunks.popitem(last=False)

@@ -105,6 +105,7 @@ def test_recipe_resumes_to_the_uninterrupted_result_and_loads(tiny: dict[str, Pa
     from specdec.core.checkpoint import load_decoder
     from specdec.core.registry import Role
     from specdec.train.app import STATE_FILE, Stopped
+    from specdec.train.state import read_state
 
     extra = ["train.ttt_steps=3", "train.draft_vocab_size=200", "train.aux_layers=[0,1,3]"] if recipe == "eagle3" else []
     if recipe == "eagle":
@@ -115,7 +116,7 @@ def test_recipe_resumes_to_the_uninterrupted_result_and_loads(tiny: dict[str, Pa
     part_dir = tmp_path / "part"
     with pytest.raises(Stopped):
         run(overrides(tiny, recipe, part_dir, "stop_after=3", *extra))
-    saved = torch.load(part_dir / STATE_FILE, weights_only=False)
+    saved = read_state(part_dir / STATE_FILE)
     assert saved["step"] == 3 and len(saved["history"]["train"]) == 3
     resumed = run(overrides(tiny, recipe, part_dir, "resume=true", *extra))
     a, b = weights(tmp_path / "whole" / "out"), weights(part_dir / "out")
@@ -295,6 +296,9 @@ def test_self_distillation_text_is_the_targets_greedy_output_and_a_head_fine_tun
     greedy continuations; the run trains on them alone (``only``) and a resumed run reads them
     back. ``train.init_from`` then starts a second run from the first's head: its step-0 figures
     are the first head's, and a head of another shape is refused naming the key."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
     from specdec.core.checkpoint import load_decoder, load_tokenizer
     from specdec.train import data as D
 
@@ -302,8 +306,7 @@ def test_self_distillation_text_is_the_targets_greedy_output_and_a_head_fine_tun
            "data.generate.batch_size=2", "data.generate.only=true"]
     first = tmp_path / "first"
     m = run(overrides(tiny, "eagle3", first, "train.steps=4", *gen))
-    saved = torch.load(first / "generated.pt")
-    docs = saved["tokens"]
+    docs = load_file(str(first / "generated.safetensors"))["tokens"]
     assert m["data"]["generated"]["tokens"] == docs.numel() and m["data"]["train_tokens"] == docs.numel()
     # the documents: separator, window, greedy continuation (dense re-forward, no cache)
     target = load_decoder(tiny["target"]).module.eval()
@@ -325,9 +328,12 @@ def test_self_distillation_text_is_the_targets_greedy_output_and_a_head_fine_tun
 
     with pytest.raises(Stopped):
         run(overrides(tiny, "eagle3", part, "train.steps=4", "stop_after=2", *gen))
-    torch.save({**torch.load(part / "generated.pt"), "probe": True}, part / "generated.pt")
+    with safe_open(str(part / "generated.safetensors"), "pt") as f:
+        meta = f.metadata()
+    save_file(load_file(str(part / "generated.safetensors")) | {"probe": torch.ones(1)}, str(part / "generated.safetensors"),
+              metadata=meta)
     resumed = run(overrides(tiny, "eagle3", part, "train.steps=4", "resume=true", *gen))
-    assert torch.load(part / "generated.pt").get("probe") and resumed["losses"]["eval"] == m["losses"]["eval"]
+    assert "probe" in load_file(str(part / "generated.safetensors")) and resumed["losses"]["eval"] == m["losses"]["eval"]
     # fine-tuning from the first head
     second = run(overrides(tiny, "eagle3", tmp_path / "second", "train.steps=2",
                            f"train.init_from={first / 'out'}"))
