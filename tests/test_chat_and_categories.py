@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from test_experiment import _compose, _lines, _overrides, _tokenizer_json, tiny_pair  # noqa: F401 (a fixture)
 
-from specdec.data import DataConfig, load_prompts
+from specdec.data import DataConfig, PromptDataError, load_prompts
 from specdec.data.chat import ChatTemplateError, conversation_prompt, load_chat_template
 from specdec.experiment import run_experiment, summarize
 from specdec.experiment.summary import CATEGORY_KEYS, PLAIN_CATEGORY_KEYS, Repetition, repetition
@@ -329,3 +329,56 @@ def test_a_failed_turn_ends_that_conversation_and_is_counted(tiny_pair, tmp_path
     assert s["methods"]["ngram"]["by_category"]["writing"]["errors"] == 1
     assert s["methods"]["ngram"]["by_category"]["math"] == {**s["methods"]["ngram"]["by_category"]["math"],
                                                              "requests": 1, "errors": 0, "outputs_equal": True}
+
+
+@pytest.mark.parametrize(("template", "limit", "message"), [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+     "data.chat_time_limit_s=0.3", r"time limit of 0\.3 s \(data\.chat_time_limit_s\)"),
+    ("{{ messages[0]['content'] * 1000 }}", "data.chat_max_chars=50", r"over data\.chat_max_chars=50"),
+], ids=["time", "size"])
+def test_chat_template_limits_are_set_by_the_data_config(tiny_pair, tmp_path, template, limit, message):
+    """A template that hangs or blows up ends the run before it starts, within the limit the config sets,
+    naming the file and the prompt."""
+    target, _, _ = tiny_pair
+    chat_target = tmp_path / "chat_target"
+    shutil.copytree(target, chat_target)
+    _tokenizer_dir(chat_target, template, jinja_file=True)
+    cfg = _compose(_overrides(tiny_pair, tmp_path / "run", *FAST, "method=ngram", f"target.path={chat_target}",
+                              "data.chat=true", limit))
+    with pytest.raises(ChatTemplateError, match=r"chat_target/chat_template\.jinja failed to render prompt 'p0' at "
+                                                rf"line 1: .*{message}"):
+        run_experiment(cfg)
+
+
+def test_prompt_files_with_bad_bytes_or_deep_nesting_name_the_line(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_bytes(b'{"prompt": "ok"}\n\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(PromptDataError, match=rf"^{f}:3: not valid UTF-8 \(byte 16 of the line: invalid continuation"):
+        load_prompts(DataConfig(path=str(f)))
+    f.write_text('{"prompt": "ok"}\n{"prompt": "x", "meta": ' + "[" * 100000 + "]" * 100000 + "}\n")
+    with pytest.raises(PromptDataError, match=rf"^{f}:2: JSON nested too deeply to read"):
+        load_prompts(DataConfig(path=str(f)))
+    f.write_bytes(b'{"prompt": "ok"}\r\n{"prompt": "caf\xc3\xa9"}\r\n')  # UTF-8, CRLF
+    assert [p.text for p in load_prompts(DataConfig(path=str(f)))] == ["ok", "café"]
+
+
+def test_a_chat_template_failing_on_a_later_turn_ends_only_that_conversation(tiny_pair, tmp_path):
+    """The template renders each pipeline's own answers: failing there fails that turn alone, named."""
+    target, _, _ = tiny_pair
+    chat_target = tmp_path / "chat_target"
+    shutil.copytree(target, chat_target)
+    _tokenizer_dir(chat_target, "{% if messages|length > 1 %}{{ 1 / 0 }}{% endif %}"
+                                "{% for m in messages %}{{ m['content'] }}{% endfor %}", jinja_file=True)
+    shutil.copy(target / "tokenizer.json", chat_target / "tokenizer.json")
+    f = tmp_path / "question.jsonl"
+    f.write_text(json.dumps(CONV[0]) + "\n" + json.dumps(CONV[2]) + "\n")
+    run_dir = tmp_path / "run"
+    s = run_experiment(_compose(_conversation_run(tiny_pair, run_dir, f, f"target.path={chat_target}",
+                                                  "method=ngram", "data.chat=true")))
+    recs = {r["id"]: r for r in _lines(run_dir / "results.jsonl")}
+    for e in (recs["81"]["plain"], recs["81"]["methods"]["ngram"]):
+        assert e["error"].startswith("turn 2: ") and "chat_template.jinja" in e["error"]
+        assert "ZeroDivisionError" in e["error"] and "'81'" in e["error"]
+        assert [t["error"] is None for t in e["turns"]] == [True, False] and e["turns"][0]["output_len"] > 0
+    assert recs["83"]["methods"]["ngram"]["equal_to_plain"] is True and recs["83"]["plain"]["error"] is None
+    assert s["errors"] == 1 and not s["complete"]

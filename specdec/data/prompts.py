@@ -24,6 +24,10 @@ from typing import Any
 AUTO_TEXT = ("prompt", "text", "turns", "question", "instruction", "input")
 AUTO_ID = ("id", "question_id", "request_id")
 AUTO_SOURCE = ("source", "category")
+# Bounds on one chat-template render (data.chat_time_limit_s, data.chat_max_chars): a template is
+# untrusted code; a real one takes milliseconds and writes about the prompt's length.
+DEFAULT_CHAT_TIME_LIMIT_S = 10.0
+DEFAULT_CHAT_MAX_CHARS = 10_000_000
 
 
 class PromptDataError(ValueError):
@@ -49,6 +53,10 @@ class DataConfig:
     # Render each prompt through the target's chat template (tokenizer_config.json's
     # chat_template, or chat_template.jinja) as a user message, with the generation prompt.
     chat: bool = False
+    # Each render of the chat template may take this long and build at most this many characters
+    # (its output, or any string, list or number on the way); past either it fails naming the file.
+    chat_time_limit_s: float = DEFAULT_CHAT_TIME_LIMIT_S
+    chat_max_chars: int = DEFAULT_CHAT_MAX_CHARS
     limit: int | None = None
     max_prompt_tokens: int | None = None  # keep each prompt's last N tokens (each turn's, in a conversation)
 
@@ -57,6 +65,11 @@ class DataConfig:
             raise ValueError("data.path must name a JSONL file of prompts")
         if self.turn is not None and self.turn < 0:
             raise ValueError(f"data.turn must be >= 0, got {self.turn}")
+        if not 0 < self.chat_time_limit_s < float("inf"):
+            raise ValueError(f"data.chat_time_limit_s must be a positive number of seconds, "
+                             f"got {self.chat_time_limit_s}")
+        if self.chat_max_chars < 1:
+            raise ValueError(f"data.chat_max_chars must be >= 1, got {self.chat_max_chars}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"data.limit must be >= 1 or null, got {self.limit}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
@@ -130,15 +143,22 @@ def load_prompts(cfg: DataConfig) -> list[Prompt]:
         raise PromptDataError(f"data.path: prompt file {str(path)!r} does not exist")
     prompts: list[Prompt] = []
     seen: dict[str, int] = {}
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise PromptDataError(f"{where}: not valid UTF-8 (byte {e.start + 1} of the line: "
+                                      f"{e.reason})") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise PromptDataError(f"{where}: invalid JSON: {e}") from None
+            except RecursionError:
+                raise PromptDataError(f"{where}: JSON nested too deeply to read") from None
             p = _parse_line(obj, cfg, where, lineno)
             if p.id in seen:
                 raise PromptDataError(f"{where}: duplicate prompt id {p.id!r} (first on line {seen[p.id]})")
