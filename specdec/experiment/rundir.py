@@ -3,7 +3,8 @@
 Files (names below): ``results.jsonl`` (one line per finished request,
 :class:`ResultsStore`), ``summary.json`` / ``summary.txt``, ``run_config.json``
 (checked on resume), ``command.txt`` (the overrides, for :func:`resume_command`),
-``forward_times.json`` (the bare forward times of the analytic limit), ``plots/``.
+``forward_times.json`` (the bare forward times of the analytic limit), ``plots/``,
+``.lock`` (:class:`RunDirLock`: one run at a time writes the dir).
 
 Every write names its file when it fails (:class:`RunDirError`: a full or
 read-only disk), and a rewritten file goes through a temporary one that is
@@ -14,6 +15,8 @@ but the last line of ``results.jsonl`` (which a resume drops and redoes).
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -38,11 +41,12 @@ TABLE_FILE = "summary.txt"
 COMMAND_FILE = "command.txt"  # the overrides the run was started with (to resume it)
 FORWARD_TIMES_FILE = "forward_times.json"
 PLOTS_DIR = "plots"
+LOCK_FILE = ".lock"  # flock()ed by the run writing the dir; holds its pid
 PLAIN = "plain"  # the baseline's key in every record
 
 # Keys that may differ between a run and its resumption (they do not change results).
 RESUME_FREE_KEYS = ("name", "logger", "run_dir", "resume", "resume_dir", "progress", "plots", "data.limit",
-                    "warmup", "warmup_tokens", "runtime.threads")
+                    "warmup", "warmup_tokens", "runtime.threads", "allow_mismatch")
 
 
 class ExperimentError(ValueError):
@@ -54,6 +58,79 @@ class RunDirError(ExperimentError):
 
     def __init__(self, path: Path, err: OSError) -> None:
         super().__init__(f"cannot write {path}: {err.strerror or err}")
+
+
+class RunDirBusy(ExperimentError):
+    """Another process holds the run dir's lock (it is running in that dir)."""
+
+
+class RunDirLock:
+    """The exclusive lock of a run dir: ``flock`` on its ``.lock`` file, which holds the pid.
+
+    Two runs writing one dir (two resumes at once) would interleave their
+    results; the second one to lock fails at once with :class:`RunDirBusy`,
+    naming the holder's pid. The OS drops the lock when its holder exits or dies,
+    so a stale lock never blocks a later resume. A file system without ``flock``
+    leaves the dir unlocked (with a warning). Use it as a context manager, or
+    :meth:`release` it.
+    """
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path = Path(run_dir) / LOCK_FILE
+        try:
+            self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RunDirError(self.path, e) from None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(self._fd, 200, 0).decode(errors="replace").split()
+            self.release()
+            if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
+                who = f"pid {holder[0]}" if holder else "another process"
+                host = f" on {holder[1]}" if len(holder) > 1 and holder[1] != os.uname().nodename else ""
+                raise RunDirBusy(
+                    f"run dir {str(self.path.parent)!r} is in use by {who}{host} (a run writing it): "
+                    f"wait for that run to end, or stop it, then resume with resume_dir={self.path.parent}"
+                ) from None
+            log.warning("cannot lock %s (%s): the run dir is not protected against a second run", self.path,
+                        e.strerror or e)
+            return
+        try:  # the holder, for the error of a second run
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, f"{os.getpid()} {os.uname().nodename}\n".encode(), 0)
+        except OSError as e:
+            self.release()
+            raise RunDirError(self.path, e) from None
+
+    def release(self) -> None:
+        """Unlocks (closing the file; the file stays, so that no two runs lock two different files)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> RunDirLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+_HELD: dict[Path, RunDirLock] = {}  # run dirs this process holds until it exits (hold_run_dir)
+
+
+def hold_run_dir(run_dir: str | Path) -> None:
+    """Locks ``run_dir`` for the rest of this process (the command line takes it before Hydra
+    writes ``.hydra/`` there); :func:`lock_run_dir` then finds it held. Raises :class:`RunDirBusy`."""
+    key = Path(run_dir).resolve()
+    if key not in _HELD:
+        _HELD[key] = RunDirLock(run_dir)
+
+
+def lock_run_dir(run_dir: Path) -> contextlib.AbstractContextManager[Any]:
+    """The lock a run holds while it writes ``run_dir`` (:class:`RunDirLock`), unless this
+    process already holds it (:func:`hold_run_dir`). Raises :class:`RunDirBusy`."""
+    return contextlib.nullcontext() if Path(run_dir).resolve() in _HELD else RunDirLock(run_dir)
 
 
 def failed(rec: Mapping[str, Any]) -> bool:
