@@ -100,6 +100,57 @@ def iter_tensors(files: list[Path], index: dict[str, str] | None = None) -> Iter
             raise CheckpointError(f"corrupt or truncated safetensors file {f}: {e}") from None
 
 
+def _listed(names: list[str], limit: int = 20) -> str:
+    """``names`` joined, the first ``limit`` of them (a wrong config can miss millions)."""
+    head = ", ".join(names[:limit])
+    return head if len(names) <= limit else f"{head}, ... and {len(names) - limit} more ({len(names)} in all)"
+
+
+def stored_elements(files: list[Path]) -> int | None:
+    """Elements of every tensor the safetensors ``files`` hold, read off their headers only
+    (None: a header that cannot be read; the load then names the fault)."""
+    total = 0
+    for f in files:
+        try:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                if not 0 < n <= 1 << 28:
+                    return None
+                header = json.loads(fh.read(n))
+            for name, entry in header.items():
+                if name != "__metadata__":
+                    size = 1
+                    for d in entry["shape"]:
+                        size *= int(d)
+                    total += size
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+    return total
+
+
+def check_sizes_backed(config: Any, path: Path) -> None:
+    """Raises :class:`CheckpointError` when ``config``'s sizes imply more weights than the
+    checkpoint's files hold (``config.min_weight_elements()``, a lower bound), before a
+    module is built: a mistyped ``num_hidden_layers`` fails now, not after building it."""
+    need = getattr(config, "min_weight_elements", None)
+    if need is None:
+        return
+    need = need()
+    try:
+        have = stored_elements(weight_files(path))
+    except CheckpointError:
+        return  # (the load names what is missing)
+    if have is not None and need > have:
+        sizes = ", ".join(f"{k}={getattr(config, k)}" for k in ("num_hidden_layers", "hidden_size",
+                          "intermediate_size", "vocab_size") if isinstance(getattr(config, k, None), int))
+        raise CheckpointError(f"{path / 'config.json'}: its sizes ({sizes}) need at least {need:,} weights, but the "
+                              f"checkpoint's files hold {have:,}: config.json does not describe these weights")
+
+
+# safetensors dtype codes of floating-point tensors
+_FLOAT_CODES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+
+
 def _get(handle: Any, name: str, file: Path) -> torch.Tensor:
     from safetensors import SafetensorError
 
@@ -142,10 +193,16 @@ def load_state_dict_into(
                 unexpected.append(name)
             continue
         p = params[name]
-        shape = tuple(handle.get_slice(name).get_shape())
+        sl = handle.get_slice(name)
+        shape = tuple(sl.get_shape())
         if shape != tuple(p.shape):
             misshaped.append(f"{name} (checkpoint {list(shape)}, model {list(p.shape)})")
             continue
+        code = str(sl.get_dtype()).upper()
+        if not override_quantization_encoding and p.is_floating_point() != (code in _FLOAT_CODES):
+            want = "floating-point" if p.is_floating_point() else f"{p.dtype} (integer)"
+            raise CheckpointError(f"{file}: tensor {name!r} is stored as {code}; {type(module).__name__} needs "
+                                  f"a {want} tensor there")
         t = _get(handle, name, file)
         if not override_quantization_encoding and dtype is not None and t.is_floating_point():
             t = t.to(dtype)  # (integer and boolean tables keep their type)
@@ -154,11 +211,11 @@ def load_state_dict_into(
     missing = sorted(set(params) - loaded)
     problems = []
     if missing:
-        problems.append("missing: " + ", ".join(missing))
+        problems.append("missing: " + _listed(missing))
     if misshaped:
-        problems.append("mis-shaped: " + ", ".join(misshaped))
+        problems.append("mis-shaped: " + _listed(misshaped))
     if unexpected and strict:
-        problems.append("unexpected: " + ", ".join(sorted(unexpected)))
+        problems.append("unexpected: " + _listed(sorted(unexpected)))
     if problems:
         where = files[0].parent
         raise CheckpointError(f"checkpoint {str(where)!r} does not fit {type(module).__name__}: " + "; ".join(problems))
@@ -245,6 +302,7 @@ def load_decoder(
         config = config_cls.from_dict(hf)
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{path / 'config.json'}: {e}") from None
+    check_sizes_backed(config, path)
     if check is not None:
         check(config)
     module = (build or load_graph_api_module)(module_cls, config, path, dtype=dtype, device=device)

@@ -40,6 +40,10 @@ class KVCacheParams:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
+        for k in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"kv cache {k} must be an integer, got {v!r} ({type(v).__name__})")
         if self.block_size < 1 or self.num_blocks < 1:
             raise ValueError(
                 f"kv cache needs block_size >= 1 and num_blocks >= 1, got "
@@ -49,6 +53,42 @@ class KVCacheParams:
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the K and V storage."""
+        return 2 * self.num_layers * self.num_slots * self.num_kv_heads * self.head_dim * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def available_memory(device: str | torch.device) -> tuple[int, str] | None:
+    """Bytes a new allocation on ``device`` may take, and where that figure comes from
+    (CUDA: ``torch.cuda.mem_get_info``; CPU: ``MemAvailable`` of /proc/meminfo);
+    None where it cannot be told (another backend, no /proc)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return int(free), f"free memory of {dev} (torch.cuda.mem_get_info)"
+    if dev.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
+        except (OSError, ValueError, IndexError):
+            return None
+    return None
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"  # (unreachable)
 
 
 class BlockAllocator:
@@ -97,6 +137,13 @@ class PagedKVCache:
     def __init__(self, params: KVCacheParams, name: str = "target") -> None:
         self.params = params
         self.name = name
+        avail = available_memory(params.device)
+        if avail is not None and params.nbytes > avail[0]:
+            raise ValueError(
+                f"the {name!r} KV cache needs {human_bytes(params.nbytes)} ({params.num_blocks} blocks of "
+                f"{params.block_size} tokens, {params.num_layers} layers, {params.num_kv_heads} KV heads of "
+                f"{params.head_dim}), more than the {human_bytes(avail[0])} available ({avail[1]}): lower "
+                "runtime.num_blocks, or runtime.max_batch_size / runtime.max_seq_len")
         shape = (params.num_layers, params.num_slots, params.num_kv_heads, params.head_dim)
         self.tensors = KVCacheTensors(
             k=torch.zeros(shape, dtype=params.dtype, device=params.device),

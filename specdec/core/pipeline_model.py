@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import numbers
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from specdec.core.batch_processor import (
 from specdec.core.checkpoint import LoadedDecoder, load_decoder
 from specdec.core.context import RequestFailure, TextContext
 from specdec.core.inputs import DecoderOutputs, ModelOutputs
-from specdec.core.kv_cache import BlockTable, KVCacheParams, PagedKVCache
+from specdec.core.kv_cache import BlockTable, KVCacheParams, PagedKVCache, available_memory, human_bytes
 from specdec.core.linear import KERNELS, pack_layers, register_compiled_lowering
 from specdec.core.registry import BuildContext, Role
 from specdec.core.state_store import RequestStateStore
@@ -73,12 +74,23 @@ class RuntimeConfig:
     cpu_linear: str = "specdec"
 
     def __post_init__(self) -> None:
-        for k in ("max_batch_size", "max_seq_len", "block_size", "data_parallel_degree", "tensor_parallel_degree"):
-            if getattr(self, k) < 1:
-                raise ValueError(f"runtime.{k} must be >= 1, got {getattr(self, k)}")
-        for k in ("num_blocks", "threads"):
-            if getattr(self, k) is not None and getattr(self, k) < 1:
-                raise ValueError(f"runtime.{k} must be >= 1 or null, got {getattr(self, k)}")
+        # Types first: a bool is not a size, and "8" or 1e6 (a string, a float) is a mistake to
+        # name now, not an allocator error after the weights load.
+        for k in ("max_batch_size", "max_seq_len", "block_size", "data_parallel_degree", "tensor_parallel_degree",
+                  "num_blocks", "threads"):
+            v = getattr(self, k)
+            if v is None and k in ("num_blocks", "threads"):
+                continue
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise ValueError(f"runtime.{k} must be an integer, got {v!r:.200} ({type(v).__name__})")
+            if v < 1:
+                raise ValueError(f"runtime.{k} must be >= 1{' or null' if k in ('num_blocks', 'threads') else ''}, "
+                                 f"got {v}")
+        for k in ("compile", "keep_allocations"):
+            if not isinstance(getattr(self, k), bool):
+                raise ValueError(f"runtime.{k} must be true or false, got {getattr(self, k)!r:.200}")
+        if not isinstance(self.device, str):
+            raise ValueError(f"runtime.device must be a device name (cpu, cuda, cuda:1 ...), got {self.device!r:.200}")
         if self.cpu_linear not in (*KERNELS, "aten"):
             raise ValueError(f"runtime.cpu_linear must be one of {(*KERNELS, 'aten')}, got {self.cpu_linear!r}")
         if self.dtype is not None and self.dtype not in ("float32", "float16", "bfloat16", "float64"):
@@ -272,13 +284,18 @@ def registered_pipeline_model(
             raise ValueError("runtime.tensor_parallel_degree > 1 runs one replica per process: data "
                              "parallelism with it is across processes (torchrun), not replicas in one")
         build = tensor_parallel.loader(init_from_env(tensor_parallel_degree=tp, device=runtime.device))
+    def check(config: Any, path: Path, weights: bool = True) -> None:  # before any weight is read
+        check_positions(config, runtime, path)
+        check_memory(config, runtime, path, kv_heads=config.num_key_value_heads // tp, extra_tokens=extra_tokens,
+                     weights=weights)
+
     if isinstance(checkpoint, LoadedDecoder):
         loaded = checkpoint
-        check_positions(loaded.config, runtime, loaded.path)
+        check(loaded.config, loaded.path, weights=False)
     else:
         path = Path(checkpoint)
         loaded = load_decoder(path, role=role, dtype=dtype, device=runtime.device,
-                              check=lambda config: check_positions(config, runtime, path), build=build)
+                              check=lambda config: check(config, path), build=build)
     module, config = loaded.module, loaded.config
     module_cls = type(module)
     if runtime.data_parallel_degree > 1 and not getattr(module_cls, "supports_data_parallel", False):
@@ -318,6 +335,36 @@ def check_device(device: str) -> None:
         torch.empty(0, device=dev)  # any other backend, or a device index past the last
     except (RuntimeError, AssertionError) as e:  # (AssertionError: torch built without that backend)
         raise ValueError(f"runtime.device={device!r} cannot be used: {e}") from None
+
+
+def check_memory(config: Any, runtime: RuntimeConfig, path: Path, *, kv_heads: int, extra_tokens: int = 0,
+                 weights: bool = True) -> None:
+    """Raises ``ValueError`` naming the runtime setting when the KV cache it sizes (and, with
+    ``weights``, the least the checkpoint's weights take) cannot fit in the memory this
+    machine has available on ``runtime.device``: before any weight is read, not as an
+    allocator error after a long load."""
+    avail = available_memory(runtime.device)
+    if avail is None:
+        return
+    dtype = getattr(torch, runtime.dtype) if runtime.dtype else getattr(config, "dtype", torch.float32)
+    esz = torch.empty(0, dtype=dtype).element_size()
+    blocks, replicas = runtime.blocks(extra_tokens), runtime.data_parallel_degree
+    kv = 2 * config.num_hidden_layers * kv_heads * config.head_dim * blocks * runtime.block_size * esz * replicas
+    least = getattr(config, "min_weight_elements", None)
+    w = least() * esz * replicas // runtime.tensor_parallel_degree if weights and least is not None else 0
+    if kv + w <= avail[0]:
+        return
+    if runtime.num_blocks is not None:
+        setting = f"runtime.num_blocks={runtime.num_blocks}"
+    else:
+        setting = (f"runtime.max_batch_size={runtime.max_batch_size} with runtime.max_seq_len={runtime.max_seq_len} "
+                   f"({blocks} KV blocks; runtime.num_blocks unset)")
+    raise ValueError(
+        f"{setting}: the KV cache for {path} needs {human_bytes(kv)} ({blocks} blocks of {runtime.block_size} tokens"
+        f" x {config.num_hidden_layers} layers x {kv_heads} KV heads x {config.head_dim}, {dtype}"
+        f"{f', {replicas} replicas' if replicas > 1 else ''})"
+        f"{f' and its weights at least {human_bytes(w)}' if w else ''}, more than the {human_bytes(avail[0])} "
+        f"available ({avail[1]}): lower it")
 
 
 def check_positions(config: Any, runtime: RuntimeConfig, path: Path) -> None:

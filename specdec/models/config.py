@@ -22,22 +22,47 @@ _INT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_he
              "num_key_value_heads", "head_dim", "max_position_embeddings", "max_window_layers")
 
 
+# Sane upper bounds of config.json's sizes, generous (several times the largest published
+# models: Llama 3.1 405B has 126 layers, hidden 16384, MLP 53248, 128 heads; vocabularies
+# reach 256k). A value past one is a typo or a corrupt file: it fails here, naming the key,
+# before a module is built (a million layers would otherwise build for hours).
+MAX_SIZES = {
+    "vocab_size": 1 << 22,  # 4M tokens
+    "hidden_size": 1 << 16,
+    "intermediate_size": 1 << 19,
+    "num_hidden_layers": 1024,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "head_dim": 1024,
+    "max_position_embeddings": 1 << 26,
+}
+
+
+def short_repr(value: Any, limit: int = 200) -> str:
+    """``repr(value)`` cut to ``limit`` characters, so a message about a huge value stays short."""
+    r = repr(value)
+    return r if len(r) <= limit else f"{r[:limit]}... ({len(r)} characters)"
+
+
 def _check_types(d: dict[str, Any]) -> None:
     """Raises ``ValueError`` naming the first key of ``d`` whose JSON type is wrong."""
     for k in _INT_KEYS:
         v = d.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-            raise ValueError(f"config.{k} must be an integer, got {v!r}")
+            raise ValueError(f"config.{k} must be an integer, got {short_repr(v)}")
+        if v is not None and k in MAX_SIZES and v > MAX_SIZES[k]:
+            raise ValueError(f"config.{k}={v} is more than any model this loads (at most {MAX_SIZES[k]}); "
+                             "config.json is mistyped or corrupt")
     archs = d.get("architectures")
     if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
-        raise ValueError(f"config.architectures must be a list of class names, got {archs!r}")
+        raise ValueError(f"config.architectures must be a list of class names, got {short_repr(archs)}")
     for k in ("rope_parameters", "rope_scaling"):
         if d.get(k) is not None and not isinstance(d[k], dict):
-            raise ValueError(f"config.{k} must be an object (or null), got {d[k]!r}")
+            raise ValueError(f"config.{k} must be an object (or null), got {short_repr(d[k])}")
     eos = d.get("eos_token_id")
     ids = eos if isinstance(eos, list) else [eos]
     if eos is not None and not all(isinstance(e, int) and not isinstance(e, bool) for e in ids):
-        raise ValueError(f"config.eos_token_id must be a token id or a list of them, got {eos!r}")
+        raise ValueError(f"config.eos_token_id must be a token id or a list of them, got {short_repr(eos)}")
 
 
 @dataclass
@@ -104,6 +129,14 @@ class LlamaConfig:
                      "num_attention_heads", "num_key_value_heads", "head_dim"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"config.{name} must be positive, got {getattr(self, name)!r}")
+        for name, hi in MAX_SIZES.items():
+            if getattr(self, name) > hi:
+                raise ValueError(f"config.{name}={getattr(self, name)} is more than any model this loads "
+                                 f"(at most {hi}); config.json is mistyped or corrupt")
+        bad_eos = [e for e in self.eos_token_id if not 0 <= e < self.vocab_size]
+        if bad_eos:
+            raise ValueError(f"config.eos_token_id {short_repr(bad_eos)} is outside the vocabulary "
+                             f"(token ids 0..{self.vocab_size - 1}): generation could never stop on it")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"config.num_attention_heads ({self.num_attention_heads}) must be a multiple "
@@ -115,6 +148,17 @@ class LlamaConfig:
     @property
     def dtype(self) -> torch.dtype:
         return _DTYPES[self.torch_dtype]
+
+    def min_weight_elements(self) -> int:
+        """A lower bound of the weights this config's checkpoint must hold: the embedding
+        and every layer's projections (norms, biases and the output head left out), so a
+        config.json whose sizes the files cannot back fails before a module is built."""
+        return self.vocab_size * self.hidden_size + self.num_hidden_layers * self.layer_weight_elements()
+
+    def layer_weight_elements(self) -> int:
+        """Elements of one decoder layer's projections (q, k, v, o, gate, up, down)."""
+        h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LlamaConfig:
@@ -130,6 +174,11 @@ class LlamaConfig:
         if missing:
             raise ValueError(f"config.json lacks required key(s): {', '.join(missing)}")
         heads = d["num_attention_heads"]
+        if heads < 1:
+            raise ValueError(f"config.num_attention_heads must be positive, got {heads}")
+        if not d.get("head_dim") and d["hidden_size"] % heads:
+            raise ValueError(f"config.hidden_size ({d['hidden_size']}) must be a multiple of "
+                             f"config.num_attention_heads ({heads}) when config.json gives no head_dim")
         # transformers 5 folds rope_theta and rope_scaling into rope_parameters.
         rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rope_type = rp.get("rope_type", rp.get("type", "default")) or "default"

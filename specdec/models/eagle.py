@@ -40,7 +40,7 @@ from torch import nn
 from specdec.core.inputs import DecoderInputs
 from specdec.core.linear import Linear
 from specdec.core.registry import DecoderModule, Role, register
-from specdec.models.config import LlamaConfig, hf_config_dict
+from specdec.models.config import MAX_SIZES, LlamaConfig, hf_config_dict, short_repr
 from specdec.models.llama import (MLP, Attend, Attention, DecoderLayer, DenseCausalAttend, RMSNorm, RopeTables,
                                   paged_attend)
 
@@ -103,6 +103,11 @@ class EagleHeadConfig:
     def num_draft_vocab(self) -> int:
         return self.draft_vocab_size or self.vocab_size
 
+    def min_weight_elements(self) -> int:
+        """A lower bound of the weights the head's files must hold (fc and its layer's
+        projections; the embedding is the target's): see LlamaConfig.min_weight_elements."""
+        return self.feature_size * self.hidden_size + self.layer.layer_weight_elements()
+
     def fused_layers(self, num_target_layers: int) -> tuple[int, ...]:
         """Target layers whose inputs an EAGLE-3 head reads (() for EAGLE-1)."""
         if self.kind == "eagle":
@@ -118,6 +123,12 @@ class EagleHeadConfig:
         arch = (d.get("architectures") or ["LlamaForCausalLM"])[0]
         kind = "eagle3" if arch == EAGLE3_ARCH else "eagle"
         layer = LlamaConfig.from_dict({**d, "architectures": ["LlamaForCausalLM"]})
+        for k in ("target_hidden_size", "draft_vocab_size"):
+            v = d.get(k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_SIZES[
+                    "hidden_size" if k == "target_hidden_size" else "vocab_size"]):
+                raise ValueError(f"config.{k} must be a size (a non-negative integer within bounds), "
+                                 f"got {short_repr(v)}")
         aux = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         return cls(kind=kind, layer=layer, fc_bias=bool(d.get("bias", True)),
                    target_hidden_size=int(d.get("target_hidden_size") or 0),
@@ -206,6 +217,11 @@ class EagleHead(RopeTables, DecoderModule):
 
     def _draft_ids(self) -> torch.Tensor:
         return torch.arange(self.config.num_draft_vocab, device=next(self.parameters()).device)
+
+    def check_vocab_map(self) -> str:
+        """What is wrong with the loaded draft-to-target vocabulary map ("" if nothing): every
+        draft id must map to a distinct target id inside the target's vocabulary."""
+        return ""
 
     @property
     def draft_to_target(self) -> torch.Tensor:
@@ -344,6 +360,20 @@ class Eagle3Head(EagleHead):
 
     def _draft_ids(self) -> torch.Tensor:
         return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def check_vocab_map(self) -> str:
+        """``d2t`` (target id = draft id + d2t[id]) must land every draft id on a distinct id of
+        the target's vocabulary: otherwise the first step fails in ``index_copy_``."""
+        ids = self._draft_ids()
+        v = self.config.vocab_size
+        out = ((ids < 0) | (ids >= v)).nonzero().flatten()
+        if out.numel():
+            i = int(out[0])
+            return (f"tensor 'd2t' maps draft id {i} to target id {int(ids[i])} (d2t[{i}] = {int(self.d2t[i])}), "
+                    f"outside the target's vocabulary 0..{v - 1} ({out.numel()} draft ids out of range)")
+        if torch.unique(ids).numel() != ids.numel():
+            return "tensor 'd2t' maps two draft ids to one target id (target ids must be distinct)"
+        return ""
 
 
 def new_head(config: EagleHeadConfig, seed: int = 0) -> EagleHead:

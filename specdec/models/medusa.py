@@ -46,6 +46,7 @@ from torch import nn
 
 from specdec.core.linear import Linear
 from specdec.core.registry import DecoderModule, Role, register
+from specdec.models.config import MAX_SIZES, short_repr
 
 MEDUSA_ARCH = "MedusaModel"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,6 +81,11 @@ class MedusaHeadConfig:
         """Parses a Medusa ``config.json``."""
         if "medusa_num_heads" not in d:
             raise ValueError("a Medusa config.json needs 'medusa_num_heads'")
+        for k, hi in (("medusa_num_heads", 64), ("medusa_num_layers", 64), ("hidden_size", MAX_SIZES["hidden_size"]),
+                      ("vocab_size", MAX_SIZES["vocab_size"])):
+            v = d.get(k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= hi):
+                raise ValueError(f"config.{k} must be an integer in [0, {hi}], got {short_repr(v)}")
         version = str(d.get("version", "")) or None
         if version not in (None, "1", "2"):
             raise ValueError(f"unknown Medusa format version {d.get('version')!r} (known: '1', '2')")

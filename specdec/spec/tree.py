@@ -63,6 +63,7 @@ batch-mates, and a chain gives bit-for-bit what ``verify_sampled`` gives.
 from __future__ import annotations
 
 import heapq
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, List, NamedTuple, Optional  # noqa: UP035 (OmegaConf reads typing generics)
@@ -71,10 +72,16 @@ import torch
 import torch.nn.functional as F
 
 from specdec.core.inputs import DecoderInputs, KVCacheTensors, MaskKind
+from specdec.models.config import short_repr  # (re-exported: option checks cut values the same way)
 from specdec.sampling import LANE_ACCEPT, LANE_RESIDUAL, LANE_TARGET, greedy_tokens, sample_from, uniform
 
 __all__ = [
     "TREE_KINDS",
+    "check_bool",
+    "check_choices",
+    "check_int",
+    "check_tree_fits",
+    "short_repr",
     "Candidates",
     "Selection",
     "StaticTree",
@@ -100,6 +107,58 @@ __all__ = [
 
 
 TREE_KINDS = ("chain", "static", "dynamic")
+MAX_TREE_WIDTH = 64  # tree.top_k and tree.depth at most (EAGLE-2 uses 10 and 6)
+
+
+# -- option checks (a method's config and its tree) ---------------------------------------------
+
+
+def check_int(key: str, value: Any, lo: int, hi: int | None = None, note: str = "") -> None:
+    """Raises ``ValueError`` naming ``key`` unless ``value`` is an int (not a bool: ``True``
+    would run as 1) in ``[lo, hi]``."""
+    span = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+    extra = f" ({note})" if note else ""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{key} must be an integer in {span}{extra}, got {short_repr(value)} "
+                         f"({type(value).__name__})")
+    if value < lo or (hi is not None and value > hi):
+        raise ValueError(f"{key} must be in {span}{extra}, got {value}")
+
+
+def check_bool(key: str, value: Any) -> None:
+    """Raises ``ValueError`` naming ``key`` unless ``value`` is a bool."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {short_repr(value)} ({type(value).__name__})")
+
+
+def check_choices(key: str, choices: Any) -> tuple[tuple[int, ...], ...]:
+    """Static-tree ``choices`` as a tuple of rank paths; raises naming ``key`` unless each is
+    a non-empty list of int ranks >= 0 (not bools, not floats)."""
+    if isinstance(choices, (str, bytes)) or not isinstance(choices, Sequence):
+        raise ValueError(f"{key} must be a list of rank paths, e.g. [[0], [1], [0, 0]], got {short_repr(choices)}")
+    out = []
+    for i, c in enumerate(choices):
+        if isinstance(c, (str, bytes)) or not isinstance(c, Sequence) or not c or any(
+                isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in c):
+            raise ValueError(f"{key}[{i}] must be a non-empty list of integer ranks >= 0, got {short_repr(c)}")
+        out.append(tuple(int(r) for r in c))
+    return tuple(out)
+
+
+def check_tree_fits(key: str, tree: TreeConfig, budget: int, vocab: int, what: str) -> None:
+    """Raises ``ValueError`` naming ``key`` (``method.<name>.tree``) when ``tree`` asks a
+    drafter whose distributions span ``vocab`` tokens (``what`` says whose) for more
+    top tokens than there are: a dynamic tree's ``top_k``, or a rank of the first
+    ``budget`` static choices (the nodes a step drafts)."""
+    if tree.kind == "dynamic" and tree.top_k > vocab:
+        raise ValueError(f"{key}.top_k={tree.top_k} is more than {what} ({vocab} tokens): "
+                         f"set {key}.top_k <= {vocab}")
+    if tree.kind == "static" and tree.choices and budget:
+        used = tree.choices[:budget]
+        worst = max(used, key=max)
+        if max(worst) >= vocab:
+            raise ValueError(f"{key}.choices: choice {short_repr(list(worst))} asks for rank {max(worst)}, but "
+                             f"{what} has {vocab} tokens (ranks 0..{vocab - 1})")
 
 
 @dataclass(frozen=True)
@@ -134,15 +193,14 @@ class TreeConfig:
     total_tokens: int = 0  # nodes kept per request (the node budget); 0: the method's γ
 
     def __post_init__(self) -> None:
-        if self.kind not in TREE_KINDS:
-            raise ValueError(f"tree.kind must be one of {', '.join(TREE_KINDS)}, got {self.kind!r}")
+        if not isinstance(self.kind, str) or self.kind not in TREE_KINDS:
+            raise ValueError(f"tree.kind must be one of {', '.join(TREE_KINDS)}, got {short_repr(self.kind)}")
         if self.choices is not None:  # hashable, and checked now (static_tree raises on a bad list)
-            object.__setattr__(self, "choices", tuple(tuple(int(r) for r in c) for c in self.choices))
+            object.__setattr__(self, "choices", check_choices("tree.choices", self.choices))
             static_tree(self.choices)
-        if self.top_k < 1 or self.depth < 1:
-            raise ValueError(f"tree.top_k and tree.depth must be >= 1, got {self.top_k}, {self.depth}")
-        if not 0 <= self.total_tokens <= 64:
-            raise ValueError(f"tree.total_tokens must be in [0, 64] (0: the method's γ), got {self.total_tokens}")
+        check_int("tree.top_k", self.top_k, 1, MAX_TREE_WIDTH)
+        check_int("tree.depth", self.depth, 1, MAX_TREE_WIDTH)
+        check_int("tree.total_tokens", self.total_tokens, 0, 64, "0: the method's γ")
 
     @property
     def is_tree(self) -> bool:

@@ -128,3 +128,73 @@ def test_unusable_device_fails_before_loading(tmp_path: Path, device: str) -> No
 def test_cuda_without_cuda_says_so(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"runtime.device='cuda'.*no CUDA device"):
         LLM(tmp_path / "no-such-checkpoint", runtime=RuntimeConfig(device="cuda"))
+
+
+# -- config.json facts past sane bounds, or that the files cannot back -----------------
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda c: {**c, "num_hidden_layers": 1_000_000}, "config.num_hidden_layers=1000000"),
+        (lambda c: {**c, "vocab_size": 10**9}, "config.vocab_size=1000000000"),
+        (lambda c: {**c, "hidden_size": 1 << 20}, "config.hidden_size=1048576"),
+        (lambda c: {**c, "num_hidden_layers": 200}, "need at least"),  # in bounds, but 2 layers are stored
+        (lambda c: {**c, "intermediate_size": 1 << 18}, "need at least"),
+        (lambda c: {**c, "head_dim": None, "hidden_size": 66}, "must be a multiple of config.num_attention_heads"),
+        (lambda c: {**c, "eos_token_id": c["vocab_size"]}, "config.eos_token_id"),
+        (lambda c: {**c, "eos_token_id": [0, -1]}, "config.eos_token_id"),
+        (lambda c: {**c, "num_hidden_layers": list(range(100_000))}, "config.num_hidden_layers must be an integer"),
+    ],
+    ids=["layers-1e6", "vocab-1e9", "hidden-1M", "layers-unbacked", "mlp-unbacked", "hidden-not-heads",
+         "eos-past-vocab", "eos-negative", "layers-huge-list"],
+)
+def test_config_facts_are_bounded_before_any_module_is_built(hf_checkpoint, tmp_path: Path, change,
+                                                             named: str) -> None:
+    src, cfg = _good_config(hf_checkpoint)
+    path = _copy(src, tmp_path / "ckpt")
+    _edit_config(path, change(cfg))
+    with pytest.raises(CheckpointError) as e:  # (a module of a million layers would build for hours)
+        load_decoder(path)
+    msg = str(e.value)
+    assert named in msg and str(path / "config.json") in msg
+    assert len(msg) < 1000  # bounded, whatever the value
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.int64])
+def test_a_weight_stored_as_integers_names_the_file_and_tensor(hf_checkpoint, tmp_path: Path, dtype) -> None:
+    path = _copy(hf_checkpoint("llama")[0], tmp_path / "ckpt")
+    name = "model.layers.1.mlp.up_proj.weight"
+    _rewrite(path / "model.safetensors", lambda sd: sd.update({name: sd[name].to(dtype)}))
+    with pytest.raises(CheckpointError) as e:
+        load_decoder(path)
+    msg = str(e.value)
+    assert str(path / "model.safetensors") in msg and repr(name) in msg and "floating-point" in msg
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [("num_blocks", 1e6), ("num_blocks", "8"), ("num_blocks", True), ("max_batch_size", 1e5),
+     ("max_seq_len", "1024"), ("block_size", 16.0), ("threads", 2.5)],
+)
+def test_runtime_sizes_must_be_integers_naming_the_setting(tmp_path: Path, setting: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=rf"runtime\.{setting} must be an integer, got {value!r}"):
+        RuntimeConfig(**{setting: value})
+    with pytest.raises(ValueError, match=rf"runtime\.{setting} must be an integer"):  # LLM(...) keywords too
+        LLM(tmp_path / "no-such-checkpoint", **{setting: value})
+
+
+@pytest.mark.parametrize(
+    ("runtime", "named"),
+    [(dict(num_blocks=10**9, max_seq_len=512), "runtime.num_blocks=1000000000"),
+     (dict(max_batch_size=10**7, max_seq_len=512), "runtime.max_batch_size=10000000 with runtime.max_seq_len=512")],
+    ids=["num_blocks", "max_batch_size"],
+)
+def test_a_kv_cache_past_the_machines_memory_fails_before_loading(hf_checkpoint, tmp_path: Path, runtime,
+                                                                    named: str) -> None:
+    path = _copy(hf_checkpoint("llama")[0], tmp_path / "ckpt")
+    (path / "model.safetensors").write_bytes(b"\0" * 64)  # an error about the weights would mean they were read first
+    with pytest.raises(ValueError) as e:
+        registered_pipeline_model(path, RuntimeConfig(**runtime))
+    msg = str(e.value)
+    assert named in msg and "available" in msg and "KV cache" in msg and str(path) in msg

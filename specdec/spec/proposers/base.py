@@ -16,7 +16,7 @@ point group. See docs/adding-a-drafter.md.
 A proposer has two halves:
 
 - the **host half** (:class:`Proposer`) keeps per-request bookkeeping (its KV
-  cache, n-gram tables …) and, each step, packs what its device half needs
+  cache, n-gram tables …, keyed by ``ctx.key``, never the user's request id) and, each step, packs what its device half needs
   into a :class:`DraftBatch`;
 - the **device half** (``Proposer.drafter``, a :class:`Drafter`) runs inside
   the draft-and-verify module, in one of two places of the step:
@@ -37,10 +37,11 @@ chain is the degenerate tree.
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from importlib.metadata import entry_points
 from typing import Any, ClassVar, TypeVar
@@ -54,7 +55,7 @@ from specdec.core.inputs import DecoderInputs
 from specdec.core.pipeline_model import DecoderPipelineModel, RuntimeConfig
 from specdec.core.state_store import RequestStateStore, StateSpec
 from specdec.sampling import SamplingTensors
-from specdec.spec.tree import TreeConfig
+from specdec.spec.tree import TreeConfig, check_bool, check_int, short_repr
 
 ENTRY_POINT_GROUP = "specdec.proposers"  # name -> "module" that registers that proposer
 
@@ -70,10 +71,16 @@ class ProposerConfig:
 
     num_speculative_tokens: int = 4  # γ: draft tokens per request per step (the most; 0 is plain decoding)
     adaptive_gamma: bool = False  # pick γ <= num_speculative_tokens per step where it pays (spec/gamma.py)
+    method_name: ClassVar[str] = ""  # the name it is registered under (register_proposer sets it)
 
     def __post_init__(self) -> None:
-        if not (0 <= self.num_speculative_tokens <= 64):
-            raise ValueError(f"num_speculative_tokens must be in [0, 64], got {self.num_speculative_tokens}")
+        check_int(self.key("num_speculative_tokens"), self.num_speculative_tokens, 0, 64)
+        check_bool(self.key("adaptive_gamma"), self.adaptive_gamma)
+
+    @classmethod
+    def key(cls, option: str) -> str:
+        """``method.<name>.<option>``, how errors name an option of this method."""
+        return f"method.{cls.method_name}.{option}" if cls.method_name else f"method.{option}"
 
 
 @dataclass(frozen=True)
@@ -90,20 +97,37 @@ class CheckpointProposerConfig(ProposerConfig):
     path_is: ClassVar[str] = "the drafter's checkpoint directory"  # for the error when path is missing
 
     def __post_init__(self) -> None:
-        if isinstance(self.tree, dict):  # LLM(method={"name": ..., "tree": {...}})
-            object.__setattr__(self, "tree", TreeConfig(**self.tree))
+        if isinstance(self.path, os.PathLike):
+            object.__setattr__(self, "path", os.fspath(self.path))
+        if not isinstance(self.path, str):
+            raise ValueError(f"{self.key('path')} must be a directory path, got {short_repr(self.path)}")
+        if isinstance(self.tree, Mapping):  # LLM(method={"name": ..., "tree": {...}})
+            self._set_tree(lambda: TreeConfig(**self.tree))
+        if not isinstance(self.tree, TreeConfig):
+            raise ValueError(f"{self.key('tree')} must be a TreeConfig or a dict of its options, "
+                             f"got {short_repr(self.tree)}")
         if self.tree.kind == "static" and not self.tree.choices:
-            object.__setattr__(self, "tree", replace(self.tree, choices=self.shipped_tree_choices()))
+            self._set_tree(lambda: replace(self.tree, choices=self.shipped_tree_choices()))
+        super().__post_init__()  # (γ's type first: the budget below computes with it)
         if self.tree.is_tree:  # γ counts the tree's nodes (rows verified per request)
             object.__setattr__(self, "num_speculative_tokens", self.tree.budget(self.num_speculative_tokens))
-        super().__post_init__()
         if not self.path:
-            raise ValueError(f"path ({self.path_is}) is required")
+            raise ValueError(f"{self.key('path')} ({self.path_is}) is required")
+
+    def _set_tree(self, make: Callable[[], TreeConfig]) -> None:
+        """``tree = make()``; its errors name ``method.<name>.tree.<option>``."""
+        try:
+            object.__setattr__(self, "tree", make())
+        except TypeError as e:  # an unknown key
+            raise ValueError(f"{self.key('tree')}: {e}") from None
+        except ValueError as e:
+            msg = str(e)  # TreeConfig's messages name tree.<option>
+            raise ValueError(msg if msg.startswith("method.") else self.key(msg)) from None
 
     def shipped_tree_choices(self) -> list[list[int]]:
         """A static tree's ``choices`` when the config gives none: the checkpoint's own list."""
-        raise ValueError("tree.choices (paths of top-k ranks, e.g. [[0], [1], [0, 0]]) is required for "
-                         "tree.kind=static")
+        raise ValueError(f"{self.key('tree.choices')} (paths of top-k ranks, e.g. [[0], [1], [0, 0]]) is "
+                         "required for tree.kind=static")
 
 
 @dataclass
@@ -340,6 +364,7 @@ def register_proposer(name: str, config: type[ProposerConfig]) -> Callable[[P], 
             raise ValueError(f"proposer {name!r}: config {config.__qualname__} already belongs to {taken[0]!r}")
         cls.name = name
         cls.config_cls = config
+        config.method_name = name  # its errors name method.<name>.<option>
         _PROPOSERS[name] = cls  # (re-importing a module re-registers its class)
         return cls
 

@@ -42,7 +42,7 @@ many drafts were accepted, so the device picks them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, List, Optional
 
@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from specdec.core.batch_processor import PackedBatch
-from specdec.core.checkpoint import load_decoder
+from specdec.core.checkpoint import CheckpointError, load_decoder
 from specdec.core.context import TextContext
 from specdec.core.inputs import DecoderInputs, KVCacheTensors, MaskKind
 from specdec.core.kv_cache import BlockTable, KVCacheParams, PagedKVCache, block_table_array
@@ -67,6 +67,8 @@ from specdec.spec.tree import (
     node_rows,
     selected_tree,
     static_tree_shape,
+    check_tree_fits,
+    short_repr,
     static_tree_tokens,
 )
 from specdec.spec.proposers.base import (
@@ -92,6 +94,16 @@ class EagleConfig(CheckpointProposerConfig):
 class Eagle3Config(EagleConfig):
     # Target layers whose inputs are fused; None: the head's eagle_config, else (2, L//2, L-3).
     aux_layers: Optional[List[int]] = None  # noqa: UP006,UP007 (OmegaConf reads typing generics)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        a = self.aux_layers
+        if a is not None:  # (the target's layer count is checked at build)
+            if isinstance(a, (str, bytes)) or not isinstance(a, Sequence) or len(a) != 3 or any(
+                    isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in a):
+                raise ValueError(f"{self.key('aux_layers')} must be three target layer ids (integers >= 0), "
+                                 f"got {short_repr(a)}")
+            object.__setattr__(self, "aux_layers", [int(i) for i in a])
 
 
 @dataclass
@@ -315,6 +327,11 @@ class EagleProposer(Proposer):
         if head.config.kind != self.kind:
             raise ValueError(f"{config.path!r} holds an {head.config.kind!r} head; method {self.name!r} "
                              f"needs an {self.kind!r} head (use method={head.config.kind})")
+        bad_map = head.check_vocab_map()
+        if bad_map:
+            raise CheckpointError(f"{config.key('path')}={config.path!r}: {bad_map}")
+        check_tree_fits(config.key("tree"), config.tree, config.num_speculative_tokens,
+                        head.config.num_draft_vocab, f"the head's vocabulary at {config.path!r}")
         aux = getattr(config, "aux_layers", None)
         layers = tuple(aux) if aux is not None else head.config.fused_layers(tcfg.num_hidden_layers)
         if self.kind == "eagle3":

@@ -46,7 +46,7 @@ from specdec.spec.proposers.base import (
     register_proposer,
 )
 from specdec.spec.forward_time import time_calls
-from specdec.spec.tree import TreeConfig
+from specdec.spec.tree import check_tree_fits
 
 
 @dataclass(frozen=True)
@@ -58,11 +58,10 @@ class MedusaConfig(CheckpointProposerConfig):
     path_is: ClassVar[str] = "the Medusa heads' checkpoint directory"
 
     def __post_init__(self) -> None:
-        tree = self.tree if not isinstance(self.tree, dict) else TreeConfig(**self.tree)
-        if tree.kind == "dynamic":
-            raise ValueError("method.medusa.tree.kind=dynamic: Medusa heads draft one distribution per depth, "
-                             "not per node; use kind=static (Medusa choices) or chain")
         super().__post_init__()
+        if self.tree.kind == "dynamic":
+            raise ValueError(f"{self.key('tree.kind')}=dynamic: Medusa heads draft one distribution per depth, "
+                             "not per node; use kind=static (Medusa choices) or chain")
 
     def shipped_tree_choices(self) -> list[list[int]]:
         """The heads' own static tree: the likeliest-first list ``python -m specdec.train
@@ -147,11 +146,13 @@ class MedusaProposer(Proposer):
             self.samples_drafts = False  # type: ignore[misc]
             self.drafter.choices = tuple(tuple(c) for c in tree.choices)
             g = config.num_speculative_tokens
+            check_tree_fits(config.key("tree"), tree, g, heads.config.vocab_size,
+                            f"the heads' vocabulary at {config.path!r}")
             if g:
                 _, _, _, depth, kids = self.drafter.static_shape(g)
                 if depth > heads.num_heads:
-                    raise ValueError(f"method.medusa.tree: its first {g} nodes reach depth {depth}; the heads at "
-                                     f"{config.path!r} draft at most {heads.num_heads} levels (K heads)")
+                    raise ValueError(f"{config.key('tree.choices')}: its first {g} nodes reach depth {depth}; the "
+                                     f"heads at {config.path!r} draft at most {heads.num_heads} levels (K heads)")
                 self.tree_facts = (depth, kids)
 
     @property
