@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import difflib
+import itertools
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
@@ -170,6 +171,12 @@ class LLM:
     ``max_batch_size`` sets both. They override the same fields of ``runtime``
     / ``engine_config`` when those are given too. ``threads`` sets torch's
     (process-wide) thread count here.
+
+    Its requests are numbered ``req-0``, ``req-1`` … across all its calls and
+    streams, never reused. Open streams, ``generate`` calls and engines of
+    :meth:`new_engine` may run on it together: each request gives the tokens
+    it gives alone (seeded sampling too, unless ``adaptive_gamma``: its γ,
+    and so the sampled tokens, follow what else runs).
     """
 
     def __init__(
@@ -181,6 +188,7 @@ class LLM:
         **settings: Any,
     ) -> None:
         self.target = target
+        self._ids = itertools.count()  # request numbers, unique across this LLM's calls and streams
         self.method = method_config(method)  # checked before anything loads
         self.runtime, self.engine_config = split_settings(runtime, engine_config, settings)
         from specdec.dist.data_parallel import localize
@@ -203,6 +211,10 @@ class LLM:
 
     def __repr__(self) -> str:
         return f"LLM(target={str(self.target)!r}, method={self.method!r})"
+
+    def request_ids(self, n: int) -> list[str]:
+        """``n`` fresh request ids of this LLM (``req-N``: unique across its calls and streams)."""
+        return [f"req-{next(self._ids)}" for _ in range(n)]
 
     def new_engine(self, clock: Callable[[], float] = time.perf_counter) -> Engine:
         return Engine(self.pipeline, self.engine_config, eos_token_ids=self.eos_token_ids, tokenizer=self.tokenizer,
@@ -277,7 +289,7 @@ class LLM:
     def _generate_steps(self, prompts: list[Prompt], params: list[SamplingParams],
                         clock: Callable[[], float]) -> Generator[None, None, list[GenerationOutput]]:
         engine = self.new_engine(clock)
-        ctxs = [self._add(engine, p, sp, f"req-{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
+        ctxs = [self._add(engine, p, sp, rid) for p, sp, rid in zip(prompts, params, self.request_ids(len(prompts)))]
         for _ in engine.steps():
             yield
         return [GenerationOutput.from_context(c, self._text(engine, c)) for c in ctxs]
@@ -296,7 +308,7 @@ class LLM:
         it is garbage-collected (``contextlib.closing`` makes that explicit).
         """
         engine = self.new_engine()
-        ctx = self._add(engine, prompt, sampling, "req-0", detokenize=True)
+        ctx = self._add(engine, prompt, sampling, self.request_ids(1)[0], detokenize=True)
         text = engine.output_text(ctx)
         sent = 0  # token ids given out (no tokenizer: straight from ctx)
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import numbers
 from collections.abc import Sequence
@@ -105,6 +106,9 @@ class Status(enum.Enum):
     REJECTED = "rejected"
 
 
+_keys = itertools.count()  # TextContext.key: one process-wide sequence
+
+
 @dataclass(eq=False)
 class TextContext:
     """One request as the engine and the batch processors see it.
@@ -112,6 +116,11 @@ class TextContext:
     ``tokens`` holds the prompt then the generated tokens. Each model serving
     the request keeps a :class:`BlockTable` in ``kv`` (keyed by the cache's
     name); its ``num_tokens`` is how far that model has processed ``tokens``.
+
+    ``key`` is unique to this context in the process: pipelines and proposers
+    key their per-request bookkeeping by it, never by ``request_id``, which
+    only the engine that queued the request keeps unique (two engines, or
+    two calls, on one pipeline may reuse an id while both run).
     """
 
     request_id: str
@@ -135,6 +144,7 @@ class TextContext:
     t_first_token: float | None = None
     num_first_tokens: int = 0
     t_finished: float | None = None
+    key: int = field(default_factory=lambda: next(_keys), init=False, repr=False)
 
     @property
     def generated(self) -> list[int]:

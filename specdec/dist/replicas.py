@@ -96,6 +96,14 @@ class Replicas:
         with _local([ctx]):
             p.free(ctx)
 
+    def claim_slot(self, ctx: TextContext) -> bool:
+        """A state slot on ``ctx``'s own replica (True for a pipeline without a state store)."""
+        claim = getattr(self._of(ctx), "claim_slot", None)
+        if claim is None:
+            return True
+        with _local([ctx]):
+            return bool(claim(ctx))
+
     def max_blocks(self, ctx: TextContext) -> dict[str, int]:
         p = self._of(ctx)
         with _local([ctx]):

@@ -480,18 +480,20 @@ class SpecDecodePipelineModel:
                                      tree_facts=proposer.tree_facts if proposer.drafts_trees else None,
                                      compile_on=self.device if target.runtime.compile else None)
         self.plain = PlainGeneration(target, max_seq_len)  # what a step that drafts nothing runs
-        self.counts: dict[str, SpecCounts] = {}
+        # Per-request bookkeeping is keyed by TextContext.key, unique to each request:
+        # request ids are unique only within one engine, and several engines (open
+        # streams, generate calls) may share this pipeline with the same ids.
+        # Each request's figures since reset_stats (stats() lists them by request id).
+        self.counts: dict[int, tuple[str, SpecCounts]] = {}
         self.num_target_forwards = 0
         self.num_spec_steps = 0  # _spec_step calls (the step-time breakdown's steps)
         # Drafts waiting in the state store per request (a drafter that drafts
         # after verification): 0 until the request's first step, and again
         # after a preemption (its slot, and so its drafts, were released).
-        self._ready: dict[str, int] = {}
+        self._ready: dict[int, int] = {}
         # Adaptive γ's running acceptance, per live request: [accepted, drafts tried]
         # (spec/gamma.py: a step that accepts k of γ tried k + 1, or k if k = γ).
-        # Not self.counts (the run's figures, kept after a request ends): a
-        # later request may reuse the id.
-        self._running: dict[str, list[int]] = {}
+        self._running: dict[int, list[int]] = {}
         self._drafter_running = [0, 0]  # the same over every request so far (adaptive γ's prior)
         self._curves: tuple[TargetCost, CostCurve] | None = None
         self._catch_up: CostCurve | None = None  # seconds for the drafter to read n unseen tokens
@@ -517,10 +519,18 @@ class SpecDecodePipelineModel:
     def stats(self) -> RunStats:
         """Figures since the last :meth:`reset_stats` (definitions: spec/metrics.py)."""
         total = SpecCounts()
-        for c in self.counts.values():
+        per: dict[str, SpecCounts] = {}
+        for rid, c in self.counts.values():
             total.merge(c)
+            if rid in per:  # (requests of two engines with one id since reset_stats: merged)
+                merged = SpecCounts()
+                merged.merge(per[rid])
+                merged.merge(c)
+                per[rid] = merged
+            else:
+                per[rid] = c
         ph = dict(self.module.times.seconds)
-        return RunStats(counts=total, per_request=dict(self.counts),
+        return RunStats(counts=total, per_request=per,
                         target_forwards=self.num_target_forwards,
                         draft_time_s=ph["draft_catch_up"] + ph["draft_steps"], target_time_s=ph["target_forward"],
                         phase_s=ph, spec_steps=self.num_spec_steps)
@@ -550,12 +560,21 @@ class SpecDecodePipelineModel:
             return max(0, min(g, room))
         return max(0, min(g, left, room))
 
-    def reserve(self, ctx: TextContext, num_new: int) -> None:
+    def claim_slot(self, ctx: TextContext) -> bool:
+        """Gives ``ctx`` a state slot, if it has none, at its admission; False when none is
+        free (every engine on this pipeline draws from them: Engine._admit)."""
         if ctx.slot is None:
+            if not self.state.num_free:
+                return False
             ctx.slot = self.state.allocate(ctx.request_id)
             sp = ctx.sampling
             for name, value in (("seed", ctx.seed), ("temperature", sp.temperature), ("top_k", sp.top_k), ("top_p", sp.top_p)):
                 self.state.tensors[name][ctx.slot] = value
+        return True
+
+    def reserve(self, ctx: TextContext, num_new: int) -> None:
+        if ctx.slot is None and not self.claim_slot(ctx):  # (admitted by a caller that claims none)
+            raise RuntimeError(f"state store full ({self.max_batch_size} slots); cannot admit {ctx.request_id!r}")
         processed = ctx.processed(self.target.cache_name)
         full = processed + num_new == len(ctx.tokens)
         # The target verifies at most the request's own γ drafts; a drafting
@@ -572,8 +591,8 @@ class SpecDecodePipelineModel:
         self.target.free(ctx)
         self.proposer.free(ctx)
         if ctx.done:
-            self._running.pop(ctx.request_id, None)
-        self._ready.pop(ctx.request_id, None)  # its drafts go with its slot
+            self._running.pop(ctx.key, None)
+        self._ready.pop(ctx.key, None)  # its drafts go with its slot
         if ctx.slot is not None:
             slot, ctx.slot = ctx.slot, None  # (cleared first: an interrupt here must not release it twice)
             self.state.release(slot)
@@ -714,7 +733,7 @@ class SpecDecodePipelineModel:
         seen = tuple(self._drafter_running)
         if self._still_plain(batch):
             return 0
-        accept = [pol.acceptance(tuple(self._running.get(c.request_id, (0, 0))), seen) for c in batch]
+        accept = [pol.acceptance(tuple(self._running.get(c.key, (0, 0))), seen) for c in batch]
         tt, td = self._cost_curves()
         # Unseen tokens past a step's own catch-up (γ + 1 at most) are a one-time cost
         # (only a drafter that reads them has a catch-up curve above zero).
@@ -759,10 +778,10 @@ class SpecDecodePipelineModel:
         return out
 
     def _counts(self, ctx: TextContext) -> SpecCounts:
-        counts = self.counts.get(ctx.request_id)
-        if counts is None:
-            counts = self.counts[ctx.request_id] = SpecCounts()
-        return counts
+        entry = self.counts.get(ctx.key)
+        if entry is None:
+            entry = self.counts[ctx.key] = (ctx.request_id, SpecCounts())
+        return entry[1]
 
     def _spec_step(self, batch: list[TextContext], chunks: list[tuple[TextContext, int]],
                    unprocessed: list[int]) -> list[list[int] | RequestFailure]:
@@ -791,7 +810,7 @@ class SpecDecodePipelineModel:
         lens = [len(c.tokens) for c in batch]
         after = self.proposer.drafts_after_verify
         if after:  # the drafts the last step left in the store, as many as each request may verify
-            gammas = [min(g, self._ready.get(c.request_id, 0)) for c, g in zip(batch, gammas)]
+            gammas = [min(g, self._ready.get(c.key, 0)) for c, g in zip(batch, gammas)]
         gamma = max(gammas)
         draft: DraftBatch | None = None
         if gamma and not after:
@@ -871,9 +890,9 @@ class SpecDecodePipelineModel:
             self._counts(c).record(n, k, depth=depth)
             new.append(toks[: k + 1])
             if g:  # drafts were asked for (found or not): adaptive γ's running acceptance
-                running = self._running.get(c.request_id)
+                running = self._running.get(c.key)
                 if running is None:
-                    running = self._running[c.request_id] = [0, 0]
+                    running = self._running[c.key] = [0, 0]
                 tried = k + (k < g)  # drafts up to the first rejected (or missing) one
                 running[0] += k
                 running[1] += tried
@@ -886,7 +905,7 @@ class SpecDecodePipelineModel:
             if gamma or after:  # (a step that drafted nothing leaves the proposer nothing to forget)
                 self.proposer.commit(c, ln + k + 1)
             if after:
-                self._ready[c.request_id] = self.config.num_speculative_tokens
+                self._ready[c.key] = self.config.num_speculative_tokens
         times.lap("commit", t)
         times.prefilling = False
         return new

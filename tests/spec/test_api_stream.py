@@ -227,7 +227,9 @@ def test_stream_without_a_tokenizer_gives_token_ids(tiny_llama):
     assert out.text is None and all(c.text is None for c in chunks)
     assert [t for c in chunks for t in c.token_ids] == out.token_ids and chunks[-1].finish_reason == "length"
     (bad,) = list(llm.stream("text needs a tokenizer", GREEDY))
-    assert bad.finish_reason == "error" and "'req-0'" in bad.error and "no tokenizer.json" in bad.error
+    # (The LLM's third request: ids run on across its calls and streams.)
+    assert bad.request_id == "req-2" and bad.finish_reason == "error"
+    assert "'req-2'" in bad.error and "no tokenizer.json" in bad.error
 
 
 # -- abandoned streams --------------------------------------------------------------

@@ -179,8 +179,8 @@ def _adaptive(tiny_llama, **policy) -> LLM:
 
 
 def test_adaptive_gamma_carries_no_request_state_over_reused_ids(tiny_llama) -> None:
-    """generate() reuses request ids ("req-0" …). What one request learnt must not pass to a
-    later one with its id: a second call with the same ids proposes exactly what it would with
+    """Engines on one pipeline may reuse request ids ("req-0" …). What one request learnt must
+    not pass to a later one with its id: a second call with the same ids proposes exactly what it would with
     fresh ids (the drafter-wide estimate, which every later request starts from, is the same)."""
     prompts, sp = [[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=24, ignore_eos=True)
     second = {}

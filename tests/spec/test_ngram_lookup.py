@@ -203,7 +203,7 @@ def test_the_proposer_drafts_per_request_and_verifies_only_as_many_rows_as_found
     assert batch.tokens.tolist() == [[2, 1, 2, 1], [3, 1, 2, 3]]
     assert torch.equal(batch.first_position, torch.tensor([11, 5]))
     proposer.free(loop)
-    assert "loop" not in proposer._index
+    assert loop.key not in proposer._index and fresh.key in proposer._index
 
 
 @pytest.mark.slow

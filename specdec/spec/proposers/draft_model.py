@@ -53,7 +53,15 @@ from specdec.core.kv_cache import OutOfBlocks, block_table_array
 from specdec.core.pipeline_model import DecoderPipelineModel, compile_method, registered_pipeline_model
 from specdec.sampling import SamplingTensors, draw_drafts
 from specdec.spec.forward_time import bare_batch, forward_time, time_calls
-from specdec.spec.tree import TreeConfig, expand_topk, node_rows, selected_tree, static_tree_shape, static_tree_tokens
+from specdec.spec.tree import (
+    TreeConfig,
+    check_tree_fits,
+    expand_topk,
+    node_rows,
+    selected_tree,
+    static_tree_shape,
+    static_tree_tokens,
+)
 from specdec.spec.proposers.base import (
     CheckpointProposerConfig,
     DraftBatch,
@@ -291,7 +299,7 @@ class DraftModelProposer(Proposer):
             config.path, deps.runtime, cache_name="draft",
             extra_tokens=max(config.num_speculative_tokens, self._tree_rows(config.num_speculative_tokens)) + 1,
         )
-        self._tree_base: dict[str, int] = {}  # request -> its draft cache length before this step's tree
+        self._tree_base: dict[int, int] = {}  # TextContext.key -> its draft cache length before this step's tree
         self._compiled: set[bool] = set()  # batch kinds (several requests or one) whose drafting graphs compiled
         self.pipeline.build_module()  # the module the drafter calls is the one timed and executed
         vocab = self.pipeline.config.vocab_size
@@ -304,6 +312,9 @@ class DraftModelProposer(Proposer):
             )
         if target_tokenizer is not None:
             _check_same_tokenizer(Path(config.path), target_tokenizer)
+        if self.tree is not None:
+            check_tree_fits(config.key("tree"), self.tree, config.num_speculative_tokens, vocab,
+                            f"the draft's vocabulary at {config.path!r}")
         self.drafter = DraftModelDrafter(self.pipeline, self.tree, config.num_speculative_tokens)
 
     @property
@@ -335,7 +346,7 @@ class DraftModelProposer(Proposer):
         gather = tbl[:, np.minimum(p // bs, tbl.shape[1] - 1)] * bs + p % bs  # [B, S + rows]
         tree_slots = gather[np.arange(len(batch))[:, None], lens[:, None] + np.arange(rows)[None, :]]  # [B, rows]
         for c in batch:
-            self._tree_base[c.request_id] = c.kv[self.cache_name].num_tokens
+            self._tree_base[c.key] = c.kv[self.cache_name].num_tokens
             c.kv[self.cache_name].num_tokens += rows
         return move_tensors(DraftModelBatch(
             gamma=gamma,
@@ -457,11 +468,11 @@ class DraftModelProposer(Proposer):
         # the last committed token is fed next step. A tree's rows are dropped
         # whole: the next catch-up recomputes the accepted path.
         keep = min(ctx.processed(self.cache_name), num_committed - 1)
-        base = self._tree_base.pop(ctx.request_id, None)
+        base = self._tree_base.pop(ctx.key, None)
         self.pipeline.truncate(ctx, keep if base is None else min(keep, base))
 
     def free(self, ctx: TextContext) -> None:
-        self._tree_base.pop(ctx.request_id, None)
+        self._tree_base.pop(ctx.key, None)
         self.pipeline.free(ctx)
 
 

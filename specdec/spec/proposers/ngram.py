@@ -56,6 +56,10 @@ from specdec.spec.proposers.base import (
     ProposerDeps,
     register_proposer,
 )
+from specdec.spec.tree import check_int
+
+
+MAX_NGRAM = 64  # longest n-gram a request's index may count (each new token costs O(max_n))
 
 
 @dataclass(frozen=True)
@@ -66,10 +70,9 @@ class NgramConfig(ProposerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not (1 <= self.min_n <= self.max_n):
-            raise ValueError(f"min_n / max_n need 1 <= min_n <= max_n, got {self.min_n}, {self.max_n}")
-        if not (1 <= self.branches <= 64):
-            raise ValueError(f"branches must be in [1, 64], got {self.branches}")
+        check_int(self.key("max_n"), self.max_n, 1, MAX_NGRAM)
+        check_int(self.key("min_n"), self.min_n, 1, self.max_n, f"at most {self.key('max_n')}")
+        check_int(self.key("branches"), self.branches, 1, 64)
 
 
 @dataclass
@@ -201,14 +204,14 @@ class NgramProposer(Proposer):
         self.config = config
         self.node_budget = config.branches > 1
         self.drafter = NgramDrafter()
-        self._index: dict[str, _Index] = {}
+        self._index: dict[int, _Index] = {}  # by TextContext.key (ids may repeat across engines)
         self.device = torch.device(deps.runtime.device if deps is not None else "cpu")
 
     def prepare(self, batch: list[TextContext], gamma: int, num_draft: list[int]) -> NgramDraftBatch:
         cfg = self.config
         props, parents = [], []
         for ctx, k in zip(batch, num_draft):
-            idx = self._index.setdefault(ctx.request_id, _Index())
+            idx = self._index.setdefault(ctx.key, _Index())
             if cfg.branches == 1:
                 props.append(lookup(ctx.tokens, idx, cfg.max_n, cfg.min_n, k) if k else [])
             else:
@@ -239,4 +242,4 @@ class NgramProposer(Proposer):
         ), self.device)
 
     def free(self, ctx: TextContext) -> None:
-        self._index.pop(ctx.request_id, None)
+        self._index.pop(ctx.key, None)
