@@ -33,6 +33,7 @@ from specdec.core.context import RequestError, RequestFailure, SamplingParams, S
 from specdec.core.kv_cache import OutOfBlocks
 from specdec.core.pipeline_model import GenerationPipeline
 from specdec.detokenize import RequestText
+from specdec.dist.group import current
 
 
 @dataclass(frozen=True)
@@ -230,10 +231,16 @@ class Engine:
         self.finished.append(ctx)
 
     def _expire(self) -> list[TextContext]:
-        """Ends the requests whose deadline has passed."""
+        """Ends the requests whose deadline has passed (under tensor parallelism, those the
+        group's first rank finds late: each rank reads its own clock, all must end the same)."""
+        if all(c.sampling.deadline_s is None for c in self._live.values()):
+            return []
         now = self.clock()
-        late = [c for c in self._live.values()  # (every queued request has its t_added)
-                if c.sampling.deadline_s is not None and now - (c.t_added or 0.0) >= c.sampling.deadline_s]
+        late_ids = current().decide(
+            [k for k, c in self._live.items()  # (every queued request has its t_added)
+             if c.sampling.deadline_s is not None and now - (c.t_added or 0.0) >= c.sampling.deadline_s],
+            "the requests past their deadline")
+        late = [self._live[k] for k in late_ids]
         for ctx in late:
             self._end(ctx, "deadline", f"request {ctx.request_id!r} passed its deadline of "
                                        f"{ctx.sampling.deadline_s} s after {ctx.num_generated} new tokens")
@@ -245,9 +252,15 @@ class Engine:
         headroom left for the next step of every request running there.
         Admitting past that only gets the newest preempted again at once: the
         engine would thrash. A request alone on its replica is always admitted
-        (:meth:`_validate` made sure it fits an empty cache)."""
+        (:meth:`_validate` made sure it fits an empty cache).
+
+        A pipeline's state slots are shared by every engine on it (open streams,
+        other calls on the same LLM), so a request claims its slot here: it waits
+        for one while requests of this engine run (they free theirs as they end);
+        with none running it could wait forever, so it is rejected, naming the slots."""
         # The pipeline's own bound (state slots, KV sizing) caps the engine's.
         limit = min(self.config.max_batch_size, self.pipeline.max_batch_size)
+        claim = getattr(self.pipeline, "claim_slot", None)  # (a speculative pipeline's state store)
         pending: dict[int, Counter[str]] = {}  # per replica: blocks the running requests' next steps need
         blocked: set[int] = set()  # replicas whose first queued request waits for room
         for ctx in list(self.waiting):
@@ -265,6 +278,15 @@ class Engine:
             free = self.pipeline.free_blocks(r)
             if any(c.replica == r for c in self.running) and any(n > free[k] for k, n in need.items()):
                 blocked.add(r)
+                continue
+            if claim is not None and not claim(ctx):  # every state slot of its replica is held
+                if any(c.replica == r for c in self.running):  # they free theirs as they end
+                    blocked.add(r)
+                    continue
+                ctx.reject(f"request {ctx.request_id!r}: all {self.pipeline.max_batch_size} state slots of the "
+                           "pipeline (runtime.max_batch_size) are held by requests outside this engine (open "
+                           "streams or other engines on the same LLM): finish or close them, or raise max_batch_size")
+                self._retire(ctx)
                 continue
             pending[r] = need
             self.waiting.remove(ctx)

@@ -70,7 +70,8 @@ def generate_sharded(llm: LLM, prompts: Sequence[Any], params: Sequence[Any]) ->
     params = [p if p.seed is not None else replace(p, seed=rng.getrandbits(63)) for p in params]
     mine = [i for i in range(len(prompts)) if i % ctx.dp == ctx.dp_rank]
     engine = llm.new_engine()
-    ctxs = {i: llm._add(engine, prompts[i], params[i], f"req-{i}") for i in mine}
+    ids = llm.request_ids(len(prompts))  # (every rank numbers the call's prompts alike)
+    ctxs = {i: llm._add(engine, prompts[i], params[i], ids[i]) for i in mine}
     engine.run()
     from specdec.engine import GenerationOutput
 
@@ -106,11 +107,11 @@ def run_batches(runner: Any, reqs: Sequence[Any], batch_size: int, first_batch: 
                 yield got[kk]
 
 
-def follow(rc: Any, comps: Any) -> dict[str, Any]:
+def follow(rc: Any, comps: Any, runner_cls: Any) -> dict[str, Any]:
     """The experiment on a rank other than 0: the same requests, models and
-    steps as rank 0 decides (it broadcasts them), nothing written."""
+    steps as rank 0 decides (it broadcasts them), nothing written. ``runner_cls``:
+    the experiment's ``Runner`` (passed in: dist imports nothing of the experiment)."""
     from specdec.data.prompts import load_prompts
-    from specdec.experiment.runner import Runner
 
     ctx = current()
     plan = _collective(ctx, "receiving the run plan", ctx.broadcast_object, None)
@@ -118,7 +119,7 @@ def follow(rc: Any, comps: Any) -> dict[str, Any]:
         return {}
     by_id = {p.id: p for p in load_prompts(comps.data)}
     pending = [by_id[i] for i in plan["pending"]]
-    runner = Runner(comps, save_outputs=rc.save_outputs)
+    runner = runner_cls(comps, save_outputs=rc.save_outputs)
     reqs = runner.encode(pending, comps.data.max_prompt_tokens)
     if rc.warmup and reqs:
         runner.warmup(reqs, rc.warmup, rc.warmup_tokens)

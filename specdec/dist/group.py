@@ -11,6 +11,18 @@ tensor-parallel group.
 
 One process (no ``WORLD_SIZE``, or 1) is the single-device case: every
 collective here is then the identity, so callers need no branch.
+
+Host decisions under tensor parallelism: the ranks of a group run every
+forward together, so whatever chooses the next forward must choose the same
+on each. Tokens, acceptance, admission and non-finite checks do by
+themselves (they read logits, which the collectives leave bit-identical on
+every rank, and counters); what reads a clock would not, so
+:meth:`DistContext.decide` gives every rank of a group its first rank's
+choice: where the experiment's turns end (specdec/measure.py ``lockstep``),
+which requests passed their deadline (specdec/engine.py); adaptive γ takes
+rank 0's measured forward times (specdec/spec/pipeline.py). A collective that
+fails or waits past the timeout raises :class:`DistError` naming the rank, the
+collective and its number.
 """
 
 from __future__ import annotations
@@ -18,9 +30,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+D = TypeVar("D")
 
 
 class DistError(ValueError):
@@ -39,6 +53,8 @@ class DistContext:
     backend: str | None = None  # "gloo" / "nccl"; None: one process, no group
     tp_group: Any = None  # torch.distributed ProcessGroup of this rank's tensor-parallel ranks
     _tp_ranks: list[int] = field(default_factory=list)
+    timeout_s: float = 600.0  # how long a collective waits for the other ranks
+    collectives: int = 0  # tensor-parallel collectives this rank has entered (the same count on each)
 
     @property
     def tp_rank(self) -> int:
@@ -58,10 +74,22 @@ class DistContext:
         return self.world_size > 1
 
     # -- tensor-parallel collectives (identity without tensor parallelism) ------------
+    def _failed(self, what: str, e: RuntimeError) -> DistError:
+        """The error of a tensor-parallel collective that failed: a peer died, or it waited past
+        the timeout (the peer was elsewhere: another collective, or none)."""
+        return DistError(
+            f"rank {self.rank} of {self.world_size} (tensor-parallel ranks {self._tp_ranks}): {what}, "
+            f"collective #{self.collectives} of this rank, failed: a peer died, or waited elsewhere for longer "
+            f"than {self.timeout_s:g} s ($SPECDEC_DIST_TIMEOUT); the other ranks' errors name theirs: {e}")
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of ``x`` over this rank's tensor-parallel group (in place)."""
         if self.tp > 1:
-            torch.distributed.all_reduce(x, group=self.tp_group)
+            self.collectives += 1
+            try:
+                torch.distributed.all_reduce(x, group=self.tp_group)
+            except RuntimeError as e:  # gloo; NCCL's watchdog aborts the process itself
+                raise self._failed(f"all_reduce of {x.dtype} {list(x.shape)}", e) from e
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,8 +97,33 @@ class DistContext:
         if self.tp == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.tp)]
-        torch.distributed.all_gather(parts, x.contiguous(), group=self.tp_group)
+        self.collectives += 1
+        try:
+            torch.distributed.all_gather(parts, x.contiguous(), group=self.tp_group)
+        except RuntimeError as e:
+            raise self._failed(f"all_gather of {x.dtype} {list(x.shape)}", e) from e
         return torch.cat(parts, dim=-1)
+
+    def decide(self, value: D, what: str = "a host decision") -> D:
+        """``value`` as this tensor-parallel group's first rank has it, on every rank of the
+        group (identity without tensor parallelism). For a host choice that steers the
+        next forwards but reads a per-rank clock (where a turn of steps ends, which
+        requests passed their deadline): the ranks must make it once. A bool goes as one
+        number; anything else picklable as an object."""
+        if self.tp == 1:
+            return value
+        src, group = self._tp_ranks[0], self.tp_group
+        self.collectives += 1
+        try:
+            if isinstance(value, bool):
+                flag = torch.tensor([value], dtype=torch.int32, device=self._object_device())
+                torch.distributed.broadcast(flag, src=src, group=group)
+                return bool(flag.item())  # type: ignore[return-value]
+            box = [value]
+            torch.distributed.broadcast_object_list(box, src=src, group=group, device=self._object_device())
+        except RuntimeError as e:
+            raise self._failed(f"sharing {what}", e) from e
+        return box[0]  # type: ignore[no-any-return]
 
     # -- whole-world object collectives (host data: ids, records) -------------------
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
@@ -163,11 +216,12 @@ def init_from_env(*, tensor_parallel_degree: int = 1, data_parallel_degree: int 
     tp_group, my_ranks = None, [rank]
     for d in range(dp):
         ranks = list(range(d * tp, (d + 1) * tp))
-        g = torch.distributed.new_group(ranks) if tp > 1 else None
+        # (A new group's own timeout, not the world's: torch's default for it is 30 minutes.)
+        g = torch.distributed.new_group(ranks, timeout=timedelta(seconds=timeout)) if tp > 1 else None
         if rank in ranks:
             tp_group, my_ranks = g, ranks
     _CTX = DistContext(rank=rank, world_size=world, local_rank=local_rank, tp=tp, dp=dp,
-                       backend=backend, tp_group=tp_group, _tp_ranks=my_ranks)
+                       backend=backend, tp_group=tp_group, _tp_ranks=my_ranks, timeout_s=timeout)
     return _CTX
 
 

@@ -55,6 +55,19 @@ def tiny_checkpoint(path: Path, arch: str = "llama", *, vocab: int = 131, tie: b
     return path
 
 
+def tiny_pair(d: Path) -> list[str]:
+    """Overrides for a tiny target and draft with the built-in pair's tokenizer (text prompts)."""
+    import shutil
+
+    from specdec.conf_schema import ZOO_DIR
+
+    paths = {}
+    for name, layers, seed in (("target", 2, 6), ("draft", 1, 7)):
+        paths[name] = tiny_checkpoint(d / f"tiny-{name}", "llama", vocab=4096, layers=layers, seed=seed)
+        shutil.copy(ZOO_DIR / "code-target" / "tokenizer.json", paths[name] / "tokenizer.json")
+    return [f"target.path={paths['target']}", f"draft.path={paths['draft']}"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from specdec import LLM, SamplingParams
-from tests.dist.helpers import REPO, run_worker, tiny_checkpoint, torchrun
+from tests.dist.helpers import REPO, run_worker, tiny_checkpoint, tiny_pair, torchrun
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [10, 20, 30], [5, 9, 5, 9, 5, 9, 5, 9, 5], [100, 7, 42, 3, 3], [8, 8, 8]]
 RUNTIME = {"dtype": "float64", "max_seq_len": 64, "max_batch_size": 4}
@@ -61,7 +61,7 @@ def test_processes_merge_to_the_single_process_outputs(ckpts: dict[str, Path], t
 
 def _records(run_dir: Path) -> dict[str, dict]:
     """results.jsonl without what differs between any two runs (times, timestamps)."""
-    timing = {"time_s", "time_share_s", "tokens_per_s", "draft_time_s", "target_time_s", "completed_at", "phase_s"}
+    timing = {"time_s", "time_share_s", "tokens_per_s", "draft_time_s", "target_time_s", "completed_at", "phase_s", "decode_s"}
 
     def clean(x: object) -> object:
         if isinstance(x, dict):
@@ -70,19 +70,6 @@ def _records(run_dir: Path) -> dict[str, dict]:
 
     recs = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()]
     return {r["id"]: clean(r) for r in recs}
-
-
-def tiny_pair(d: Path) -> list[str]:
-    """Overrides for a tiny target and draft with the built-in pair's tokenizer (text prompts)."""
-    import shutil
-
-    from specdec.conf_schema import ZOO_DIR
-
-    paths = {}
-    for name, layers, seed in (("target", 2, 6), ("draft", 1, 7)):
-        paths[name] = tiny_checkpoint(d / f"tiny-{name}", "llama", vocab=4096, layers=layers, seed=seed)
-        shutil.copy(ZOO_DIR / "code-target" / "tokenizer.json", paths[name] / "tokenizer.json")
-    return [f"target.path={paths['target']}", f"draft.path={paths['draft']}"]
 
 
 ARGS = ["experiment=quick", "plots=false", "warmup=0", "data.limit=4", "sampling.max_new_tokens=8",

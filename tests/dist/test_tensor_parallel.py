@@ -8,6 +8,7 @@ logits, so greedy tokens are compared exactly.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 
 from specdec import LLM, SamplingParams
 from specdec.dist.group import DistContext, DistError
-from tests.dist.helpers import run_worker, tiny_checkpoint
+from tests.dist.helpers import WORKER, run_worker, tiny_checkpoint, tiny_pair, torchrun
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [10, 20, 30], [5, 9, 5, 9, 5, 9, 5, 9, 5], [100, 7, 42, 3, 3]]
 RUNTIME = {"dtype": "float64", "max_seq_len": 64, "max_batch_size": 4}
@@ -54,8 +55,11 @@ def test_tensor_parallel_greedy_is_token_identical(ckpts: dict[str, Path], tmp_p
                                                      **heads}},
         {"target": str(ckpts["qwen3"]), "methods": {"plain": None}},
     ]
+    # Rank 1's clock runs 1e5x fast: its requests would pass their deadline at once, had it
+    # decided by its own clock (the engine ends the requests rank 0 finds late).
     ranks = run_worker(tmp_path, "tp", {"cases": cases, "prompts": PROMPTS, "max_new_tokens": NEW,
-                                        "runtime": RUNTIME})
+                                        "runtime": RUNTIME, "sampling": {"deadline_s": 600},
+                                        "clock_rate": {"1": 1e5}})
     assert [r["ctx"] for r in ranks] == [{"rank": i, "tp": 2, "dp": 1, "backend": "gloo"} for i in range(2)]
     for i, case in enumerate(cases):
         full = LLM(case["target"], **RUNTIME).pipeline.target
@@ -69,6 +73,39 @@ def test_tensor_parallel_greedy_is_token_identical(ckpts: dict[str, Path], tmp_p
                 # A rank holds its shard: about half the weights (norms are replicated), half the KV heads.
                 assert r[key + "/params"] < 0.6 * full_params
                 assert r[key + "/kv_heads"] == full.caches[0].params.num_kv_heads // 2
+
+
+def test_ranks_that_read_different_clocks_take_the_same_steps(tmp_path: Path) -> None:
+    """The experiment's turns (one pipeline's steps, then the next's, by the clock) and the
+    requests' deadlines are host decisions read off a clock. Here rank 1's clock runs 1000x
+    fast: had it decided for itself, it would end every turn after one step and every
+    request at its 60 s deadline while rank 0 went on (a collective mismatch: a crash, a
+    hang, or outputs mixed across pipelines). Rank 0 decides for both: every method equals
+    plain decoding, nothing passes its deadline."""
+    run = tmp_path / "run"
+    argv = [*tiny_pair(tmp_path), "experiment=quick", "plots=false", "warmup=0", "data.limit=2",
+            "sampling.max_new_tokens=8", "sampling.deadline_s=60", "runtime.dtype=float64",
+            "runtime.max_seq_len=128", "method=[draft_model,ngram]", "runtime.tensor_parallel_degree=2",
+            f"hydra.run.dir={run}"]
+    torchrun([str(WORKER), "run", str(tmp_path), json.dumps({"argv": argv, "clock_rate": {"1": 1000}})],
+             env={"SPECDEC_DIST_TIMEOUT": "30"}, timeout=120)
+    recs = [json.loads(line) for line in (run / "results.jsonl").read_text().splitlines()]
+    assert len(recs) == 2
+    for r in recs:
+        assert r["plain"]["error"] is None and r["plain"]["finish_reason"] == "length", r["plain"]
+        for name in ("draft_model", "ngram"):
+            assert r["methods"][name]["equal_to_plain"] is True, (r["id"], name, r["methods"][name])
+
+
+def test_a_collective_that_waits_too_long_names_the_rank_and_collective(tmp_path: Path) -> None:
+    """Rank 1 skips an all-reduce rank 0 enters: rank 0 fails after the timeout with an
+    error naming its rank and the collective's number, not a hang."""
+    out = torchrun([str(WORKER), "stall", str(tmp_path), "{}"], env={"SPECDEC_DIST_TIMEOUT": "3"}, timeout=120,
+                   check=False)
+    assert out.returncode != 0
+    log = out.stdout + out.stderr
+    assert "rank 0 of 2 (tensor-parallel ranks [0, 1]): all_reduce of torch.float32 [4]" in log, log[-3000:]
+    assert "collective #2 of this rank" in log
 
 
 def test_shards_read_from_safetensors_slices(ckpts: dict[str, Path]) -> None:
