@@ -5,7 +5,8 @@
     llm = LLM("target_dir", method=DraftModelConfig(path="draft_dir"))
     print(llm.generate(["def fib(n):"], SamplingParams(max_new_tokens=32))[0].text)
 
-``import specdec`` stays light: it never imports ``transformers``.
+``import specdec`` stays light (about 0.1 s): it imports neither torch, ``transformers``
+nor Hydra; the registry and ``SamplingParams`` need none of them.
 """
 
 from __future__ import annotations

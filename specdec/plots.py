@@ -15,13 +15,16 @@ One run (written to ``<run_dir>/plots/`` by the experiment):
 - ``by_category.png``: τ and speedup per prompt category and method (when the summary has
   ``methods.<m>.by_category`` with more than one category).
 
-Several runs (a γ / temperature sweep)::
+Several runs (a sweep over any option)::
 
     python -m specdec.plots outputs/gamma_sweep/multirun/<stamp>   # any dirs holding summary.json files
     python -m specdec.plots RUN_DIR [RUN_DIR ...] --out DIR
 
-writes ``sweep_tau_speedup.png`` (τ and speedup against γ, one line per
-method and temperature) and ``sweep_acceptance_per_position.png``.
+writes ``sweep_tau_speedup.png`` (τ and speedup against the swept key, one line per
+method and combination of the other swept keys) and ``sweep_acceptance_per_position.png``.
+The swept keys are those whose values differ between the runs' Hydra overrides
+(``.hydra/overrides.yaml``): γ, a temperature, ``method.ngram.max_n``, a head path …;
+runs without overrides are plotted against γ, one line per method and temperature.
 """
 
 from __future__ import annotations
@@ -295,22 +298,85 @@ def load_summaries(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
     return [json.loads(f.read_text()) for f in find_summaries(paths)]
 
 
-def sweep_points(summaries: Sequence[Mapping[str, Any]]) -> dict[tuple[str, float], list[dict[str, Any]]]:
-    """(method, temperature) -> points ``{gamma, tau, speedup, alpha, per_position_acceptance, …}`` sorted by γ.
+def _natural(path: Path) -> list[Any]:
+    """Sort key: job dirs in job order (``2`` before ``10``)."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in path.parts]
 
-    Runs of different experiments (``name``) are kept apart: their method is shown as ``name/method``.
+
+def run_overrides(run_dir: str | Path) -> list[str]:
+    """The Hydra overrides a run was started with (``.hydra/overrides.yaml``); [] without them."""
+    import yaml
+
+    f = Path(run_dir) / ".hydra" / "overrides.yaml"
+    return [str(o) for o in (yaml.safe_load(f.read_text()) or [])] if f.is_file() else []
+
+
+def _value(text: str | None) -> Any:
+    """An override's value as a number where it reads as one (``4`` -> 4, ``0.7`` -> 0.7), else the text."""
+    if text is None:
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text.strip("'\"")
+
+
+def swept_settings(overrides: Sequence[Sequence[str]]) -> tuple[list[str], list[dict[str, Any]]]:
+    """The keys whose values differ between runs (in the order the overrides name them), and each
+    run's values of them; ``method.ngram.max_n=2`` / ``3`` -> (``["method.ngram.max_n"]``, ``[{…: 2}, {…: 3}]``)."""
+    parsed = []
+    for ov in overrides:
+        pairs = (o.lstrip("+").split("=", 1) for o in ov if "=" in o and not o.startswith("~"))
+        parsed.append({k: v for k, v in pairs})
+    keys = [k for k in dict.fromkeys(k for d in parsed for k in d) if len({d.get(k) for d in parsed}) > 1]
+    return keys, [{k: _value(d.get(k)) for k in keys} for d in parsed]
+
+
+GAMMA_KEY = "method.num_speculative_tokens"
+
+
+def short_key(key: str) -> str:
+    """A swept key as a label shows it: ``γ``, ``T``, else its last part (``method.ngram.max_n`` -> ``max_n``)."""
+    last = key.rsplit(".", 1)[-1]
+    return {"num_speculative_tokens": "γ", "temperature": "T"}.get(last, last)
+
+
+def sweep_points(summaries: Sequence[Mapping[str, Any]],
+                 settings: Sequence[Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """One point per run and method: ``{method, temperature, setting, gamma, tau, speedup, alpha, …}``.
+
+    ``setting``: the run's values of the swept keys (:func:`swept_settings`). Runs of
+    different experiments (``name``) are kept apart: their method is shown as ``name/method``.
     """
     names = {s.get("name") for s in summaries}
-    series: dict[tuple[str, float], list[dict[str, Any]]] = {}
     keys = ("gamma", "tau", "speedup", "alpha", "per_position_acceptance", "analytic_limit", "reached", "accepted_at")
-    for s in summaries:
-        temp = float(s.get("sampling", {}).get("temperature", 0.0))
+    points = []
+    for i, s in enumerate(summaries):
+        temp = float((s.get("sampling") or {}).get("temperature", 0.0))
         for name, m in _methods(s).items():
-            label = f"{s.get('name')}/{name}" if len(names) > 1 else name
-            series.setdefault((label, temp), []).append({k: m.get(k) for k in keys})
-    for pts in series.values():
-        pts.sort(key=lambda p: p["gamma"] or 0)
-    return series
+            points.append({"method": f"{s.get('name')}/{name}" if len(names) > 1 else name, "temperature": temp,
+                           "setting": dict(settings[i]) if settings else {}, **{k: m.get(k) for k in keys}})
+    return points
+
+
+def load_sweep(paths: Iterable[str | Path]) -> tuple[list[dict[str, Any]], list[str], list[dict[str, Any]]]:
+    """The runs under ``paths`` (summaries, in job order), the keys swept between them and the points.
+
+    A swept ``method=`` is left out of the keys: a point's method already says it."""
+    files = sorted(find_summaries(paths), key=_natural)
+    summaries = [json.loads(f.read_text()) for f in files]
+    keys, settings = swept_settings([run_overrides(f.parent) for f in files])
+    keep = [k for k in keys if k != "method"]
+    settings = [{k: st[k] for k in keep} for st in settings]
+    return summaries, keep, sweep_points(summaries, settings)
+
+
+def sweep_x(keys: Sequence[str]) -> str | None:
+    """The swept key the sweep plots run along: γ when swept, else the first swept key; None: γ
+    as the summaries give it (no overrides, or nothing but the method swept)."""
+    return GAMMA_KEY if GAMMA_KEY in keys else (keys[0] if keys else None)
 
 
 def sweep_context(summaries: Sequence[Mapping[str, Any]]) -> str:
@@ -330,45 +396,80 @@ def sweep_context(summaries: Sequence[Mapping[str, Any]]) -> str:
     return " · ".join(parts)
 
 
+def _series(points: Sequence[dict[str, Any]], x_key: str | None,
+            keys: Sequence[str]) -> dict[str, list[tuple[Any, dict[str, Any]]]]:
+    """Label -> (x, point) pairs: one line per method, temperature and combination of the other swept keys."""
+    others = [k for k in keys if k != x_key]
+    temps = {p["temperature"] for p in points}
+    series: dict[str, list[tuple[Any, dict[str, Any]]]] = {}
+    for p in points:
+        parts = [p["method"], *(f"{short_key(k)}={p['setting'].get(k)}" for k in others)]
+        if "sampling.temperature" not in keys and (x_key is None or len(temps) > 1):
+            parts.append(_temp_text(p["temperature"]))
+        x = p["gamma"] if x_key is None else p["setting"].get(x_key)
+        series.setdefault(", ".join(parts), []).append((x, p))
+    return series
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def plot_sweep(paths: Iterable[str | Path], out_dir: str | Path) -> dict[str, Path]:
-    """τ and speedup against γ (and per-position acceptance per γ) over many runs."""
-    summaries = load_summaries(paths)
-    series = sweep_points(summaries)
-    if not series:
+    """τ and speedup against the swept key (γ unless something else was swept), and per-position
+    acceptance per run, over many runs. A numeric key gets a numeric axis, any other (a head path,
+    a method name) one tick per value; several swept keys: one line per combination of the others."""
+    summaries, keys, points = load_sweep(paths)
+    if not points:
         return {}
+    x_key = sweep_x(keys)
+    series = _series(points, x_key, keys)
+    xs_all = [x for pts in series.values() for x, _ in pts]
+    numeric = all(_is_number(x) or x is None for x in xs_all)
+    ticks = [] if numeric else list(dict.fromkeys(str(x) for x in xs_all))
+    where = (lambda x: x) if numeric else (lambda x: ticks.index(str(x)))
+    x_name = "γ (num_speculative_tokens)" if x_key in (None, GAMMA_KEY) else x_key
     context = sweep_context(summaries)
     out_dir = Path(out_dir)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 4))
     any_limit = False
-    for i, ((name, temp), pts) in enumerate(sorted(series.items())):
-        g = [p["gamma"] for p in pts]
-        label = f"{name}, {_temp_text(temp)}"
-        a1.plot(g, [p["tau"] for p in pts], marker="o", color=f"C{i}", label=label)
-        a2.plot(g, [p["speedup"] for p in pts], marker="o", color=f"C{i}", label=label)
-        lim = [(p["gamma"], p["analytic_limit"]) for p in pts if p.get("analytic_limit") is not None]
+    for i, (label, pts) in enumerate(sorted(series.items())):
+        pts = sorted(pts, key=lambda xp: (where(xp[0]) if xp[0] is not None else 0))
+        xs = [where(x) for x, _ in pts]
+        a1.plot(xs, [p["tau"] for _, p in pts], marker="o", color=f"C{i}", label=label)
+        a2.plot(xs, [p["speedup"] for _, p in pts], marker="o", color=f"C{i}", label=label)
+        lim = [(x, p["analytic_limit"]) for x, (_, p) in zip(xs, pts) if p.get("analytic_limit") is not None]
         if lim:
             any_limit = True
             a2.plot(*zip(*lim), ls=":", marker="x", color=f"C{i}", alpha=0.7)
-    a1.set_title("τ against γ", fontsize=10)
-    a2.set_title("speedup against γ" + (" (dotted: analytic limit)" if any_limit else ""), fontsize=10)
+    against = "γ" if x_key in (None, GAMMA_KEY) else short_key(x_key)
+    a1.set_title(f"τ against {against}", fontsize=10)
+    a2.set_title(f"speedup against {against}" + (" (dotted: analytic limit)" if any_limit else ""), fontsize=10)
     for ax in (a1, a2):
-        ax.set_xlabel("γ (num_speculative_tokens)")
+        ax.set_xlabel(x_name)
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.grid(alpha=0.3)
-        _int_x(ax)
+        if not numeric:
+            long = max(len(t) for t in ticks) > 12
+            ax.set_xticks(range(len(ticks)), ticks, rotation=25 if long else 0, ha="right" if long else "center",
+                          fontsize=8)
+            ax.set_xlim(-0.5, len(ticks) - 0.5)
+        elif all(isinstance(x, int) for x in xs_all if x is not None):
+            _int_x(ax)
     a2.legend(fontsize=8)
     fig.suptitle(context, fontsize=10)
     made = {"sweep_tau_speedup": save_figure(fig, out_dir / "sweep_tau_speedup.png")}
     fig, ax = plt.subplots(figsize=(6.5, 4.4))
-    for (name, temp), pts in sorted(series.items()):
-        for p in pts:
+    for label, pts in sorted(series.items()):
+        for x, p in pts:
             pp = p["per_position_acceptance"] or []
             counts = position_counts(p)
             # with counts, a position never reached is left out instead of drawn at 0
             xy = [(i + 1, k / n) for i, (k, n) in enumerate(counts) if n > 0] if counts else list(
                 enumerate(pp, start=1))
             if xy:
-                ax.plot(*zip(*xy), marker=".", label=f"{name}, {_temp_text(temp)}, γ={p['gamma']}")
+                here = f"γ={p['gamma']}" if x_key in (None, GAMMA_KEY) else f"{short_key(x_key)}={x}, γ={p['gamma']}"
+                ax.plot(*zip(*xy), marker=".", label=f"{label}, {here}")
     ax.set_xlabel("draft position i")
     ax.set_ylabel("P(accepted | earlier accepted)")
     ax.set_ylim(0, 1.05)
@@ -378,6 +479,14 @@ def plot_sweep(paths: Iterable[str | Path], out_dir: str | Path) -> dict[str, Pa
     ax.legend(fontsize=7)
     made["sweep_acceptance_per_position"] = save_figure(fig, out_dir / "sweep_acceptance_per_position.png")
     return made
+
+
+def sweep_rows(paths: Iterable[str | Path]) -> tuple[list[str], list[dict[str, Any]]]:
+    """The swept keys and one row per run and method (in job order): the run's value of each swept
+    key, method, temperature, γ, τ, α, speedup; what the sweep's table prints."""
+    _, keys, points = load_sweep(paths)
+    return keys, [{**p["setting"], **{k: p[k] for k in ("method", "temperature", "gamma", "tau", "alpha",
+                                                        "speedup")}} for p in points]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,8 +13,9 @@ log = logging.getLogger(__name__)
 
 
 class SweepPlots(Callback):
-    """Hydra callback: records a multirun's jobs when it starts; after it, plots τ /
-    speedup against γ over its runs and says which jobs finished (:func:`write_sweep_summary`)."""
+    """Hydra callback: records a multirun's jobs when it starts; after it, tables and plots τ /
+    speedup against the swept keys (:func:`sweep_table`, :func:`specdec.plots.plot_sweep`) and says
+    which jobs finished (:func:`write_sweep_summary`)."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
@@ -31,24 +32,34 @@ class SweepPlots(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         try:
-            from specdec.logging import format_table
-            from specdec.plots import load_summaries, plot_sweep, sweep_points
+            from specdec.plots import plot_sweep
 
             sweep_dir = Path(str(config.hydra.sweep.dir))
             status = write_sweep_summary(sweep_dir)  # every job: finished, incomplete or missing
             made = plot_sweep([sweep_dir], sweep_dir)
-            rows = [{"method": m, "temperature": t, **p} for (m, t), pts in sorted(
-                sweep_points(load_summaries([sweep_dir])).items()) for p in pts]
-            if rows:
-                table = format_table(rows, [("method", "method", ""), ("temperature", "T", "g"), ("gamma", "γ", "d"),
-                                            ("tau", "τ", ".2f"), ("alpha", "α", ".3f"), ("speedup", "speedup", ".2f")])
-                (sweep_dir / "sweep_summary.txt").write_text(f"{table}\n\n{status}\n", encoding="utf-8")
-                print(f"\n{table}\n\n{status}\n\nsweep plots: {', '.join(str(p) for p in made.values())}", flush=True)
-            else:
-                (sweep_dir / "sweep_summary.txt").write_text(status + "\n", encoding="utf-8")
-                print(f"\n{status}", flush=True)
+            table = sweep_table(sweep_dir)
+            text = f"{table}\n\n{status}" if table else status
+            (sweep_dir / "sweep_summary.txt").write_text(text + "\n", encoding="utf-8")
+            plots = f"\n\nsweep plots: {', '.join(str(p) for p in made.values())}" if made else ""
+            print(f"\n{text}{plots}", flush=True)
         except Exception as e:  # noqa: BLE001 - plotting must not fail the sweep
             log.warning("sweep plots failed: %s: %s", type(e).__name__, e)
+
+
+def sweep_table(sweep_dir: str | Path) -> str:
+    """The sweep's figures, one row per job and method, labelled by the keys the sweep varied
+    (whatever they are: γ, ``method.ngram.max_n``, a head path …); "" when no job has a summary."""
+    from specdec.logging import format_table
+    from specdec.plots import short_key, sweep_rows
+
+    keys, rows = sweep_rows([sweep_dir])
+    if not rows:
+        return ""
+    swept = [(k, short_key(k) if list(map(short_key, keys)).count(short_key(k)) == 1 else k, "") for k in keys]
+    shown = {"sampling.temperature", "method.num_speculative_tokens"}  # have their own columns
+    return format_table(rows, [*(c for c in swept if c[0] not in shown), ("method", "method", ""),
+                               ("temperature", "T", "g"), ("gamma", "γ", "d"), ("tau", "τ", ".2f"),
+                               ("alpha", "α", ".3f"), ("speedup", "speedup", ".2f")])
 
 
 # --------------------------------------------------------------------------------------
@@ -140,14 +151,16 @@ def write_sweep_summary(sweep_dir: str | Path, job_overrides: list[list[str]] | 
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m specdec.experiment.sweep <sweep dir>``: which jobs finished, which did not."""
+    """``python -m specdec.experiment.sweep <sweep dir>``: the figures per swept setting, and which jobs
+    finished, which did not."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or not Path(args[0]).is_dir():
         print("usage: python -m specdec.experiment.sweep <sweep dir>", file=sys.stderr)
         raise SystemExit(2)
-    print(write_sweep_summary(args[0]))
+    table = sweep_table(args[0])
+    print(f"{table}\n\n" if table else "", write_sweep_summary(args[0]), sep="")
 
 
 if __name__ == "__main__":
