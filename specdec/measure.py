@@ -9,15 +9,16 @@ only how they are measured):
   (:meth:`Timing.speedup`). Timed side by side, by turns of a few steps
   (:func:`lockstep`), a slow spell of a busy machine falls on both sides of
   a ratio;
-- **analytic limit** = τ · T_target(1) / (T_target(γ+1) + γ · T_draft(1))
-  (:func:`specdec.spec.metrics.analytic_limit`), from bare forward times of
-  the method's own models, timed interleaved with the runs' own passes
+- **analytic limit** = τ · S_plain / C_spec and **efficiency** = decode-phase speedup ÷
+  limit (defined in :mod:`specdec.spec.metrics`, the step's bare cost C_spec in
+  :func:`specdec.spec.cost.step_cost`): S_plain is plain decoding's measured decode
+  step, C_spec comes from bare forward times of the method's own models
+  (:class:`ForwardTimes`), timed interleaved with the runs' own passes
   (:func:`limit_runs`, :func:`limit_from`; or at one moment, :func:`limit_forward_times`);
-  T_draft = 0 for a method with no draft model;
-- **efficiency** = speedup ÷ analytic limit (:func:`efficiency`);
+  :func:`spec_limit` puts them together, :func:`efficiency` divides;
 - **step-time breakdown** (:func:`step_breakdown`): a run's milliseconds per
   speculative step in each phase of the step (:class:`specdec.spec.metrics.PhaseTimes`)
-  beside what the analytic limit charges for it, and the share of the run's
+  beside what the step's bare cost charges for it, and the share of the run's
   wall time the phases account for.
 
 And the small things every benchmark needs: :func:`load_config` (``key=value``
@@ -53,7 +54,8 @@ from specdec.core.kernels import cpu_kernels_available
 from specdec.core.kv_cache import OutOfBlocks
 from specdec.core.pipeline_model import DecoderPipelineModel, RuntimeConfig
 from specdec.spec.forward_time import forward_time
-from specdec.spec.metrics import PHASES, RunStats, analytic_limit
+from specdec.spec.cost import step_cost, target_line
+from specdec.spec.metrics import PHASES, RunStats, SpecCounts, analytic_limit, decode_tau
 from specdec.spec.proposers.base import Proposer
 
 if TYPE_CHECKING:
@@ -212,6 +214,7 @@ def lockstep(
     warmup: int = 1,
     offset: int = 0,
     timer: Callable[[], float] = time.perf_counter,
+    decide: Callable[[bool], bool] = bool,
 ) -> Timing[T]:
     """:func:`interleave`, with the runs of a pass timed *at once*, by turns.
 
@@ -232,7 +235,9 @@ def lockstep(
     same for every run (a step's own models still evict one another as in any
     run). ``ttft_s`` / ``decode_s`` of the requests count only their run's own
     turns (:class:`TurnClock`). ``timer``: the clock of the turns and the times
-    (tests give their own).
+    (tests give their own). ``decide``: whether a turn ends after a step, given
+    this process's answer (tensor-parallel ranks take their first rank's:
+    :meth:`specdec.dist.group.DistContext.decide`).
 
     Example, ``turn_s`` = 50 ms, plain decoding (the baseline) at 3 ms and one
     token a step against speculation at 4.5 ms and 3 tokens a step, twice as
@@ -272,7 +277,7 @@ def lockstep(
                 try:
                     while True:
                         next(live[k])
-                        if timer() >= end:
+                        if decide(timer() >= end):
                             break
                 except StopIteration as done:
                     timing.outputs[k].append(done.value)
@@ -311,71 +316,129 @@ def outputs_equal(outs: Sequence[Sequence[int]], refs: Sequence[Sequence[int]]) 
 # --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ForwardTimes:
-    """Bare forward times of one speculative method (seconds, medians)."""
+    """Bare forward times of one speculative method (seconds, medians of one request), and
+    the shape of its step at full γ: what :meth:`step_s` charges (specdec.spec.cost).
+    A field left None was not measured: what needs it is reported missing (None)."""
 
-    t_target_1: float  # a decode step of the target
-    t_target_g1: float  # a verification step: γ+1 tokens
-    t_draft_1: float = 0.0  # a decode step of the draft model (0: none)
+    t_target_1: float  # the target's forward of one token (a plain decode step)
+    t_target_g1: float  # the target's forward of max_rows tokens (a full verification)
+    t_draft_1: float = 0.0  # one drafter forward as the step runs it (0: model-free); see step_shape
+    max_rows: int | None = None  # tokens per request of t_target_g1: the method's γ + 1
+    draft_forwards: float | None = None  # drafter forwards (t_draft_1 each) of a step at full γ
+    max_drafts: int | None = None  # drafts per request of a step at full γ
     # The same verification step timed right after the drafter drafted, and T_draft(1)
     # timed with the target's verification forward right before the drafting, as a
-    # speculative step runs them (0: not measured). Not in the limit: each model's reads
-    # evict some of the other's weights from the CPU's caches, a cost of the machine, not
-    # of the framework, which the step-time breakdown shows beside the bare figures.
-    t_target_g1_after_draft: float = 0.0
-    t_draft_1_after_target: float = 0.0
+    # speculative step runs them (None: not measured). Each model's reads evict some of
+    # the other's weights from the CPU's caches, a cost of the machine, not of the framework.
+    t_target_g1_after_draft: float | None = None
+    t_draft_1_after_target: float | None = None
+    # Plain decoding's decode step in its own loop (engine and all), timed with these
+    # (:func:`limit_forward_times` given ``plain``): the limit's S_plain where the run's own
+    # passes were not timed with the bare forwards (the run summary).
+    plain_step_s: float | None = None
 
-    def limit(self, tau: float, gamma: int, *, after_other: bool = False) -> float:
-        """The analytic limit at this τ and γ (``after_other``: with each model's forward as
-        timed right after the other's, where that was measured)."""
+    def step_s(self, drafts: float, *, after_other: bool = False) -> float | None:
+        """Bare seconds of a step whose requests verify ``drafts`` drafts each (mean over
+        steps): the target over ``1 + drafts`` rows, the drafter's forwards in the share
+        ``drafts / max_drafts`` of a full step's (:func:`specdec.spec.cost.step_cost`).
+        ``after_other``: with each model's forward timed right after the other's. None
+        where a figure it needs is missing."""
+        parts = self._step(drafts, after_other)
+        return None if parts is None else step_cost(*parts[:2], draft_forwards=parts[2], t_draft=parts[3])
+
+    def _step(self, drafts: float, after_other: bool = False
+              ) -> tuple[float, Callable[[float], float], float, float] | None:
+        """:func:`~specdec.spec.cost.step_cost`'s arguments for :meth:`step_s`."""
+        if self.max_rows is None or self.draft_forwards is None or self.max_drafts is None:
+            return None
         tg, td = self.t_target_g1, self.t_draft_1
         if after_other:
-            tg, td = self.t_target_g1_after_draft or tg, self.t_draft_1_after_target or td
-        return analytic_limit(tau=tau, gamma=gamma, t_target_1=self.t_target_1, t_target_g1=tg, t_draft_1=td)
+            if self.t_target_g1_after_draft is None or (td and self.t_draft_1_after_target is None):
+                return None
+            tg, td = self.t_target_g1_after_draft, self.t_draft_1_after_target or 0.0
+        share = min(drafts / self.max_drafts, 1.0) if self.max_drafts else 0.0
+        return 1 + drafts, target_line(self.t_target_1, tg, self.max_rows), share * self.draft_forwards, td
 
 
-def step_breakdown(stats: RunStats, wall_s: float, bare: ForwardTimes | None, *, gamma: int,
-                   draft_forwards: float | None = None) -> dict[str, Any]:
-    """Milliseconds per speculative step, phase by phase, beside the bare cost the analytic limit charges.
+def spec_limit(bare: ForwardTimes | None, counts: SpecCounts, *, first_steps: int, decode_tokens: int,
+               plain_step_s: float | None, after_other: bool = False) -> float | None:
+    """The analytic limit of a run (:mod:`specdec.spec.metrics`): its decode-phase τ from
+    ``counts`` (every request's, merged), their ``first_steps`` (one per request or turn)
+    and ``decode_tokens``; C_spec = ``bare.step_s`` at the run's mean drafts per step;
+    ``plain_step_s``: plain decoding's measured decode seconds per step. None where a
+    figure is missing."""
+    if bare is None or not counts.steps:
+        return None
+    tau = decode_tau(decode_tokens, counts.steps, first_steps)
+    return analytic_limit(tau=tau, plain_step_s=plain_step_s,
+                          spec_step_s=bare.step_s(counts.tree_size, after_other=after_other))
+
+
+def plain_step_s(outs: Sequence[GenerationOutput]) -> float | None:
+    """Plain decoding's decode-phase seconds per step of one pass (each request gains one
+    token a step): its decode seconds ÷ decode tokens. None without decode timing."""
+    tokens = sum(x.decode_tokens for x in outs)
+    secs = [x.decode_s for x in outs]
+    return sum(secs) / tokens if tokens and None not in secs else None  # type: ignore[arg-type]
+
+
+def pass_limit(bare: ForwardTimes | None, stats: RunStats, outs: Sequence[GenerationOutput],
+               plain_passes: Sequence[Sequence[GenerationOutput]], *, after_other: bool = False) -> float | None:
+    """:func:`spec_limit` of one timed pass of a benchmark: its ``stats`` (reset before the
+    pass) and outputs ``outs``; S_plain is the median over ``plain_passes``, the baseline's."""
+    plain = [s for s in map(plain_step_s, plain_passes) if s is not None]
+    return spec_limit(bare, stats.counts, first_steps=sum(1 for c in stats.per_request.values() if c.steps),
+                      decode_tokens=sum(x.decode_tokens for x in outs),
+                      plain_step_s=statistics.median(plain) if len(plain) == len(plain_passes) and plain else None,
+                      after_other=after_other)
+
+
+def step_breakdown(stats: RunStats, wall_s: float, bare: ForwardTimes | None) -> dict[str, Any]:
+    """Milliseconds per speculative step, phase by phase, beside the step's bare cost.
 
     ``stats``: the pipeline's figures of one timed pass (reset before it), ``wall_s``
-    that pass's wall time. ``phases[p] = [in-loop ms, bare ms]`` per step. Bare: the
-    target's forward T_target(γ+1); the drafter's ``draft_forwards`` one-token
-    forwards (default γ; a dynamic tree's depth), the first of them charged to
-    ``draft_catch_up`` when the drafter has one; nothing for host work
-    (packing, verification, sync, commit), which the limit leaves out. ``outside``:
-    the wall time per step outside every phase (the engine's scheduling and stop
-    checks, the API); ``accounted`` = the phases' share of the wall time;
-    ``step_ms`` / ``bare_step_ms``: the whole step in the loop and in the limit.
+    that pass's wall time. ``phases[p] = [in-loop ms, bare ms]`` per step. Bare: what
+    :meth:`ForwardTimes.step_s` charges (the analytic limit's C_spec) at the pass's mean
+    drafts per step: the target's forward, the drafter's forwards (the first of them
+    charged to ``draft_catch_up`` when the drafter has one); nothing for host work
+    (packing, verification, sync, commit). ``outside``: the wall time per step outside
+    every phase (the engine's scheduling and stop checks, the API); ``accounted`` = the
+    phases' share of the wall time; ``step_ms`` / ``bare_step_ms``: the whole step in the
+    loop and bare (None where a bare figure is missing).
     """
     n = max(stats.spec_steps, 1)
     ms = {p: stats.phase_s.get(p, 0.0) * 1e3 / n for p in PHASES}
-    k = gamma if draft_forwards is None else draft_forwards
     bare_ms = dict.fromkeys(PHASES, 0.0)
-    if bare is not None:
-        td = bare.t_draft_1 * 1e3
-        catch = td if ms["draft_catch_up"] > 0 and k > 0 else 0.0
-        bare_ms.update(target_forward=bare.t_target_g1 * 1e3, draft_catch_up=catch, draft_steps=k * td - catch)
+    parts = bare._step(stats.counts.tree_size) if bare is not None else None
+    full = None
+    if parts is not None:
+        rows, t_target, forwards, td = parts
+        full = step_cost(rows, t_target, draft_forwards=forwards, t_draft=td)
+        draft_ms = forwards * td * 1e3
+        catch = min(td * 1e3, draft_ms) if ms["draft_catch_up"] > 0 else 0.0
+        bare_ms.update(target_forward=t_target(rows) * 1e3, draft_catch_up=catch, draft_steps=draft_ms - catch)
     total = sum(ms.values())
     wall = wall_s * 1e3 / n
-    out = {"steps": stats.spec_steps, "step_ms": wall, "bare_step_ms": sum(bare_ms.values()),
+    out = {"steps": stats.spec_steps, "step_ms": wall, "bare_step_ms": full * 1e3 if full is not None else None,
            "phases": {p: [round(ms[p], 4), round(bare_ms[p], 4)] for p in PHASES},
            "outside_ms": wall - total, "accounted": total / wall if wall > 0 else 0.0}
-    if bare is not None and bare.t_target_g1_after_draft:
+    if bare is not None and bare.t_target_g1_after_draft is not None:
         out["target_forward_after_draft_ms"] = round(bare.t_target_g1_after_draft * 1e3, 4)
-    if bare is not None and bare.t_draft_1_after_target and k > 0:  # the whole drafting of a step
-        out["drafting_after_target_ms"] = round(k * bare.t_draft_1_after_target * 1e3, 4)
+    if bare is not None and bare.t_draft_1_after_target and bare.draft_forwards:  # a full step's drafting
+        out["drafting_after_target_ms"] = round(bare.draft_forwards * bare.t_draft_1_after_target * 1e3, 4)
     return out
 
 
 def breakdown_row(name: str, b: Mapping[str, Any]) -> dict[str, Any]:
-    """One table row of a :func:`step_breakdown`: ms per step, in loop (bare where the limit charges it)."""
+    """One table row of a :func:`step_breakdown`: ms per step, in loop (bare where the step's cost charges it)."""
     ph = b["phases"]
 
     def cell(*ps: str) -> str:
         got, bare = sum(ph[p][0] for p in ps), sum(ph[p][1] for p in ps)
         return f"{got:.2f}" + (f" ({bare:.2f})" if bare else "")
 
-    return {"run": name, "step_ms": f"{b['step_ms']:.2f} ({b['bare_step_ms']:.2f})",
+    bare_step = f" ({b['bare_step_ms']:.2f})" if b["bare_step_ms"] is not None else ""
+    return {"run": name, "step_ms": f"{b['step_ms']:.2f}{bare_step}",
             "draft_prep": cell("draft_prepare"), "target_prep": cell("target_prepare"),
             "catch_up": cell("draft_catch_up"), "draft_steps": cell("draft_steps"),
             "target_fwd": cell("target_forward"),
@@ -393,9 +456,9 @@ def efficiency(speedup: float | None, limit: float | None) -> float | None:
 
 
 def bare_forward_times(
-    runs: Mapping[K, tuple[DecoderPipelineModel, int] | Callable[[int, int], float]], ctx_len: int, *,
+    runs: Mapping[K, tuple[DecoderPipelineModel, int] | Callable[[int, int], float | None]], ctx_len: int, *,
     rounds: int = 5, repeats: int = 10,
-) -> dict[K, float]:
+) -> dict[K, float | None]:
     """Median bare forward times of several ``key -> (model, n tokens)`` runs, interleaved.
 
     Each of ``rounds`` rounds times every run once (``repeats`` calls each,
@@ -404,17 +467,18 @@ def bare_forward_times(
     every run alike, so ratios of these times (the analytic limit is one)
     hold better than when each is timed in one block. Raises
     :class:`~specdec.core.kv_cache.OutOfBlocks`, saying so, when a model's
-    cache cannot hold one request at ``ctx_len``.
+    cache cannot hold one request at ``ctx_len``. A timer of its own that returns None (it
+    could not measure) makes that run's result None.
     """
-    per: dict[K, list[float]] = {k: [] for k in runs}
+    per: dict[K, list[float | None]] = {k: [] for k in runs}
     for _ in range(rounds):
         for k, run in runs.items():
             per[k].append(_bare_time(run, ctx_len, repeats))
-    return {k: statistics.median(v) for k, v in per.items()}
+    return {k: None if None in v else statistics.median(v) for k, v in per.items()}  # type: ignore[type-var]
 
 
-def _bare_time(run: tuple[DecoderPipelineModel, int] | Callable[[int, int], float], ctx_len: int,
-               repeats: int) -> float:
+def _bare_time(run: tuple[DecoderPipelineModel, int] | Callable[[int, int], float | None], ctx_len: int,
+               repeats: int) -> float | None:
     """Seconds of one bare forward of ``run``: a ``(model, n tokens)`` through
     :func:`~specdec.spec.forward_time.forward_time`, or a timer of its own
     (``(ctx_len, repeats) -> seconds``, a drafter's)."""
@@ -456,14 +520,50 @@ def limit_timers(methods: Mapping[str, LLM], *, after_other: bool | Collection[s
     return runs
 
 
-def _forward_times(names: Collection[str], t: Mapping[tuple[str, str], float]) -> dict[str, ForwardTimes]:
-    return {n: ForwardTimes(t[n, "t1"], t[n, "tg"], t.get((n, "td"), 0.0), t.get((n, "tg_after"), 0.0),
-                            t.get((n, "td_after"), 0.0)) for n in names}
+def step_shape(llm: LLM) -> tuple[int, float, int]:
+    """What a step of ``llm``'s method runs at its full γ: ``(max_rows, draft_forwards,
+    max_drafts)`` of :class:`ForwardTimes`. Draft forwards are charged ``T_draft(1)`` each,
+    as the proposer's ``draft_forward_time`` measures it: a chain's γ drafts (a compiled
+    chain: its one call ÷ γ); a dynamic tree's ``depth`` levels; Medusa's drafts (its one
+    pass of the heads ÷ its drafts per step, min(γ, heads) for a chain)."""
+    g = int(llm.method.num_speculative_tokens)
+    proposer = llm.pipeline.proposer
+    drafts = int(getattr(proposer, "gamma", g))  # Medusa: min(γ, heads) for a chain, else γ
+    tree = getattr(llm.method, "tree", None)
+    forwards = tree.depth if tree is not None and tree.kind == "dynamic" else drafts
+    return g + 1, float(forwards), drafts
+
+
+def _forward_times(methods: Mapping[str, LLM], t: Mapping[tuple[str, str], float | None]) -> dict[str, ForwardTimes]:
+    out = {}
+    for n, llm in methods.items():
+        rows, forwards, drafts = step_shape(llm)
+        out[n] = ForwardTimes(t[n, "t1"], t[n, "tg"], t.get((n, "td")) or 0.0,  # type: ignore[arg-type]
+                              rows, forwards, drafts, t.get((n, "tg_after")), t.get((n, "td_after")),
+                              t.get(PLAIN_STEP))
+    return out
+
+
+PLAIN_STEP = ("", "plain step")  # limit_forward_times' key of plain decoding's step in the loop
+
+
+def plain_step_timer(llm: LLM, batch: int = 1) -> Callable[[int, int], float | None]:
+    """A timer of plain decoding's decode step *in its loop* (``llm`` decoding plain):
+    ``(ctx_len, repeats) -> seconds``, ``batch`` requests of ``ctx_len`` tokens generating
+    ``repeats`` + 1 tokens each (:func:`plain_step_s` of them; None if a request failed)."""
+    from specdec.core.context import SamplingParams
+
+    def time_it(ctx_len: int, repeats: int) -> float | None:
+        sp = SamplingParams(max_new_tokens=repeats + 1, ignore_eos=True)
+        outs = llm.generate([[1] * max(ctx_len, 1) for _ in range(batch)], sp)
+        return None if any(o.decode_s is None for o in outs) else plain_step_s(outs)
+
+    return time_it
 
 
 def limit_forward_times(
     methods: Mapping[str, LLM], ctx_len: int, *, rounds: int = 5, repeats: int = 10,
-    after_other: bool | Collection[str] = False,
+    after_other: bool | Collection[str] = False, plain: LLM | None = None, batch: int = 1,
 ) -> dict[str, ForwardTimes]:
     """Per speculative method (its ``LLM``): T_target(1) and T_target(γ+1) of its
     target, T_draft(1) of its drafter's one-token forward (a draft model's, an
@@ -475,9 +575,13 @@ def limit_forward_times(
     (its timer's one call, no warm-up) before each timed forward (``ForwardTimes.t_target_g1_after_draft``), and T_draft(1)
     with one bare verification forward of the target before each timed drafting
     (``t_draft_1_after_target``), for every method with a drafter (True) or for
-    those named.
+    those named. ``plain``: also plain decoding's step in its loop (``ForwardTimes.plain_step_s``),
+    that LLM decoding ``batch`` requests (:func:`plain_step_timer`), in the same rounds.
     """
-    t = bare_forward_times(limit_timers(methods, after_other=after_other), ctx_len, rounds=rounds, repeats=repeats)
+    timers: dict[tuple[str, str], Any] = dict(limit_timers(methods, after_other=after_other))
+    if plain is not None:
+        timers[PLAIN_STEP] = plain_step_timer(plain, batch)
+    t = bare_forward_times(timers, ctx_len, rounds=rounds, repeats=repeats)
     return _forward_times(methods, t)
 
 
@@ -523,7 +627,7 @@ def with_room_for_bare(rt: RuntimeConfig, extra_tokens: int = 64) -> RuntimeConf
                                .blocks(extra_tokens))
 
 
-def limit_from(timing: Timing[Any], methods: Collection[str]) -> dict[str, ForwardTimes]:
+def limit_from(timing: Timing[Any], methods: Mapping[str, LLM]) -> dict[str, ForwardTimes]:
     """Each method's :class:`ForwardTimes` from the :func:`limit_runs` contestants of a
     :func:`lockstep` timing: per bare forward, the median over every round of every pass."""
     t: dict[tuple[str, str], float] = {}

@@ -29,19 +29,17 @@ control, ``sweep_aa``): its distance from 1 is the machine's noise at that
 point, which a ``*_vs_plain`` figure must clear to say anything (on a 2-core
 AMD EPYC VM, with whole passes one after another (``turn_ms=0``), two
 identical runs' per-pass ratios spread ±7-10% and the sweep's A/A read
-0.92-1.07; timed by turns, 0.99-1.02). Efficiency is
-speedup / analytic limit, the limit from bare forward times of
-the draft-model run's own models, timed by turns in the same passes
-(:func:`specdec.measure.limit_runs`).
-The limit is a per-step model of decoding, with no prefill in it, so
-``efficiency_batch1`` divides the *decode-phase* speedup by it: tokens/s after
-each request's first step (``GenerationOutput.decode_tokens / decode_s``), on
-both sides. ``efficiency_batch1_e2e`` divides the end-to-end speedup (whole
-requests, prefill included) by the same limit. A framework with no overhead
-at all would score only about 0.92-0.94 on it at 48-64 new tokens, because
-the prefill takes the same time with and without speculation
-(``efficiency_batch1_e2e_cap``). Either can pass 1: plain decoding's own host
-work per token is in the speedup, not in the limit's bare T(1).
+0.92-1.07; timed by turns, 0.99-1.02). Efficiency is the decode-phase
+speedup / analytic limit (both defined in :mod:`specdec.spec.metrics`: the
+limit = τ · plain decoding's measured decode step / the speculative step's bare
+cost), the bare forward times of the draft-model run's own models timed by
+turns in the same passes (:func:`specdec.measure.limit_runs`): ``efficiency_batch1``
+(≤ 1 up to noise: every speculative step costs at least its bare forwards) and
+``analytic_limit_batch1``. ``efficiency_batch1_e2e`` divides the end-to-end speedup
+(whole requests, prefill included) by the same limit, and
+``efficiency_batch1_e2e_cap`` is what a speculative step with no host work would
+score on it (the prefill takes the same time with and without speculation). A
+figure that was not measured is null.
 
 A second batch-1 table splits each of our speculative runs' steps into phases
 (:func:`specdec.measure.step_breakdown`), the draft model's beside the bare
@@ -95,6 +93,8 @@ from specdec.measure import (
     lockstep,
     load_config,
     outputs_equal,
+    pass_limit,
+    plain_step_s,
     print_table,
     random_checkpoint,
     step_breakdown,
@@ -242,31 +242,36 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
     ctx_len = max(len(p) for p in prompts) + n // 2
     contestants = runs | limit_runs({dm: ours[dm]}, ctx_len, after_other=True)
     timing = timed_side_by_side(cfg, contestants, baseline=plain, repeats=cfg.repeats)
-    bare = limit_from(timing, [dm])[dm]
+    bare = limit_from(timing, {dm: ours[dm]})[dm]
     tokens = len(prompts) * n
     tps = {k: tokens / timing.median(k) for k in runs}
     ref = _token_ids(timing.last("hf plain"))
     equal = {k: outputs_equal(_token_ids(timing.last(k)), ref) for k in runs}
-    counts = ours[dm].pipeline.stats().counts  # the last timed pass's
-    limit = bare.limit(counts.tau, cfg.gamma)
+    stats = ours[dm].pipeline.stats()  # the last timed pass's
+    counts = stats.counts
+    limit = pass_limit(bare, stats, timing.last(dm), timing.outputs[plain])
     speedup = timing.speedup(dm)
     # The limit is a per-step model of decoding; this speedup leaves out each
     # request's first step (its prefill, the same work with or without speculation).
     decode_speedup = timing.decode_speedup(dm)
-    # The most an overhead-free framework could score end to end: both sides'
-    # first steps as measured, every later step at its bare cost.
+    # The most a speculative step with no host work could score end to end: both sides'
+    # first steps as measured, plain decoding's later steps as measured, speculation's at
+    # their bare cost (the limit's C_spec).
     first = {k: statistics.median(_first_steps(o) for o in timing.outputs[k]) for k in ours}
-    ideal_plain = first[plain] + len(prompts) * (n - 1) * bare.t_target_1
-    ideal_spec = first[dm] + (counts.steps - len(prompts)) * (bare.t_target_g1 + cfg.gamma * bare.t_draft_1)
+    s_plain = [plain_step_s(o) for o in timing.outputs[plain]]
+    c_spec = bare.step_s(counts.tree_size)
+    ideal_plain = (first[plain] + len(prompts) * (n - 1) * statistics.median(s_plain)
+                   if None not in s_plain else None)
+    ideal_spec = first[dm] + (counts.steps - len(prompts)) * c_spec if c_spec is not None else None
     rows = [{"pair": name, "method": k, "tok_s": v, "vs_hf_plain": v / tps["hf plain"], "equal": equal[k]}
             for k, v in tps.items()]
     print_table(rows, f"batch 1, greedy, {len(prompts)} prompts x {n} tokens, medians of {cfg.repeats} "
                       f"passes side by side ({name} pair)")
     # Where each speculative step's time goes (the last timed pass of each of ours).
-    steps = {k: step_breakdown(llm.pipeline.stats(), timing.times[k][-1], bare if k == dm else None, gamma=cfg.gamma)
+    steps = {k: step_breakdown(llm.pipeline.stats(), timing.times[k][-1], bare if k == dm else None)
              for k, llm in ours.items() if llm.method is not None}
     print_table([breakdown_row(k, b) for k, b in steps.items()],
-                "step time, ms per speculative step (bare: what the analytic limit charges; draft model only)")
+                "step time, ms per speculative step (bare: the step's bare cost, the limit's C_spec; draft model only)")
     hf_assisted = max(tps["hf assisted (default)"], tps[f"hf assisted (γ={cfg.gamma})"])
     hf_lookup = tps[f"hf prompt lookup ({cfg.ngram_gamma})"]
     out = {
@@ -276,17 +281,19 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
         "equal": all(equal.values()),
         "draft_vs_hf_assisted": tps[dm] / hf_assisted,
         "ngram_vs_hf_prompt_lookup": tps[_ours("ngram", c)] / hf_lookup,
-        "efficiency_batch1": efficiency(decode_speedup, limit) or 0.0,
-        "efficiency_batch1_e2e": efficiency(speedup, limit) or 0.0,
+        "efficiency_batch1": efficiency(decode_speedup, limit),
+        "efficiency_batch1_e2e": efficiency(speedup, limit),
         # Against a limit whose verification forward is timed right after the drafter drafted,
         # and its drafting right after a verification forward (the breakdown's after_draft and
         # drafting_after_target): what is left once the caches' share is out.
-        "efficiency_batch1_after_other": efficiency(decode_speedup, bare.limit(counts.tau, cfg.gamma,
-                                                                               after_other=True)) or 0.0,
+        "efficiency_batch1_after_other": efficiency(
+            decode_speedup, pass_limit(bare, stats, timing.last(dm), timing.outputs[plain], after_other=True)),
         "analytic_limit": limit,
-        "efficiency_batch1_e2e_cap": efficiency(ideal_plain / ideal_spec, limit) or 0.0,
+        "efficiency_batch1_e2e_cap": (efficiency(ideal_plain / ideal_spec, limit)
+                                      if ideal_plain is not None and ideal_spec else None),
         "first_steps_s": first,
-        "bare_ms": {k: v * 1e3 for k, v in dataclasses.asdict(bare).items()},
+        "bare_ms": {k: v * 1e3 if v is not None and (k.startswith("t_") or k == "plain_step_s") else v
+                    for k, v in dataclasses.asdict(bare).items()},
         "decode_tok_s": {k: statistics.median(decode_rate(o) for o in timing.outputs[k]) for k in ours},
         "tau_draft_model": counts.tau,
         "speedup_draft_model": speedup,
@@ -458,12 +465,13 @@ def main(argv: list[str]) -> None:
     figures = {
         "draft_vs_hf_assisted": round(head["draft_vs_hf_assisted"], 3),
         "ngram_vs_hf_prompt_lookup": round(head["ngram_vs_hf_prompt_lookup"], 3),
-        "efficiency_batch1": round(head["efficiency_batch1"], 3),
-        "efficiency_batch1_e2e": round(head["efficiency_batch1_e2e"], 3),
-        "efficiency_batch1_after_other": round(head["efficiency_batch1_after_other"], 3),
-        "target_forward_ms": {k: round(head["bare_ms"][f], 3) for k, f in
+        "efficiency_batch1": _round(head["efficiency_batch1"]),
+        "efficiency_batch1_e2e": _round(head["efficiency_batch1_e2e"]),
+        "efficiency_batch1_after_other": _round(head["efficiency_batch1_after_other"]),
+        "analytic_limit_batch1": _round(head["analytic_limit"]),
+        "target_forward_ms": {k: _round(head["bare_ms"][f]) for k, f in
                               (("bare", "t_target_g1"), ("after_draft", "t_target_g1_after_draft"))},
-        "draft_forward_ms": {k: round(head["bare_ms"][f], 3) for k, f in
+        "draft_forward_ms": {k: _round(head["bare_ms"][f]) for k, f in
                              (("bare", "t_draft_1"), ("after_target", "t_draft_1_after_target"))},
         "min_spec_vs_plain": round(min_ratio, 3),
         **({"aa_vs_plain_min": round(min(r["aa_vs_plain"] for r in rows), 3),
@@ -485,6 +493,11 @@ def main(argv: list[str]) -> None:
     bar_chart(results, out / "compare_hf.png")
     print(f"\nwrote {out / 'compare_hf.json'} and {out / 'compare_hf.png'}")
     emit_json(figures)
+
+
+def _round(x: float | None, digits: int = 3) -> float | None:
+    """``x`` rounded; None (a figure not measured) stays None."""
+    return None if x is None else round(x, digits)
 
 
 if __name__ == "__main__":

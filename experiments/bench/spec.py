@@ -6,11 +6,11 @@
 For each proposer (any registered one, by name) and γ: τ, α, tokens/s,
 speedup over our plain decoding of the same target (same prompts, same batch
 size, passes timed side by side by turns; ``speedup`` whole requests, ``decode_speedup`` after
-each request's first step) and efficiency = decode_speedup / analytic limit,
-the limit from bare forward times of the method's own models timed by turns in
-the same passes (:func:`specdec.measure.limit_runs`; definitions: :mod:`specdec.measure`). The limit is a per-step model of
-decoding, so its efficiency leaves the prefill out on both sides, as
-``compare_hf.py``'s ``efficiency_batch1`` does (one definition for every tool). Last line (JSON): ``efficiency_batch1``
+each request's first step) and efficiency = decode_speedup / analytic limit
+(defined in :mod:`specdec.spec.metrics`, as for every tool: τ · plain decoding's
+measured decode step / the speculative step's bare cost), the bare forward times
+of the method's own models timed by turns in the same passes
+(:func:`specdec.measure.limit_runs`). Last line (JSON): ``efficiency_batch1``
 (of the fastest proposer/γ at batch 1), ``best``, the best ``speedup`` and its
 ``tau`` per proposer, ``at_gamma4`` (τ, speedup and efficiency of every
 proposer at γ = 4, the issue goals' operating point), ``outputs_equal`` (every
@@ -27,15 +27,16 @@ beside the chains (``best``, ``speedup``, ``tau`` name them ``<name>_tree``);
 ``tree_budget`` in the JSON gives τ, speedup, mean tree size and accepted
 length per step against the budget; ``tree_vs_chain`` compares, per drafter,
 its best tree with its best chain (best τ of each and their ratio, best
-speedup of each: the issue's goal is τ ratio >= 1.15 and a higher speedup). The analytic
-limit of a dynamic tree counts its draft forwards (``tree_depth`` of them: the
-catch-up and one per level below the first) rather than γ; Medusa's heads run
-once per step whatever the tree, and n-gram has no forward.
+speedup of each: the issue's goal is τ ratio >= 1.15 and a higher speedup). The
+analytic limit charges each run what its step runs (:func:`specdec.measure.step_shape`):
+a dynamic tree its ``tree_depth`` draft forwards, Medusa its one pass of the heads,
+n-gram no forward and only the rows its lookups found; ``efficiency_max`` in the JSON
+is the largest efficiency of any run (≤ 1 up to noise; null if any is missing).
 
 Step time: a second table splits each run's speculative step into its phases
 (:func:`specdec.measure.step_breakdown`: host packing, the drafter's catch-up
 and other forwards, the target's forward, verification, sync and commit), in
-ms per step beside what the analytic limit charges for each (and, for the
+ms per step beside the step's bare cost (the limit's C_spec) for each (and, for the
 γ = 4 chains, ``after_draft``: the bare verification forward timed right after
 the drafter drafted, what the loop's forward costs once the drafter's reads
 have evicted some of the target's weights from the CPU's caches, and
@@ -76,6 +77,7 @@ from specdec.measure import (
     limit_from,
     limit_runs,
     lockstep,
+    pass_limit,
     load_config,
     outputs_equal,
     print_table,
@@ -206,7 +208,7 @@ def main(argv: list[str]) -> None:
     at4 = [k for k, (n, g) in grid.items() if g == 4 and not n.endswith(TREE_SUFFIX)]
     runs |= limit_runs({k: llms[k] for k in grid}, ctx_len, after_other=at4)
     timing = lockstep(runs, baseline="plain", repeats=cfg.repeats)
-    bare = limit_from(timing, grid)
+    bare = limit_from(timing, {k: llms[k] for k in grid})
     plain_ids = [o.token_ids for o in timing.last("plain")]
     n_tokens = sum(len(ids) for ids in plain_ids)
 
@@ -217,21 +219,14 @@ def main(argv: list[str]) -> None:
         speedup = timing.speedup(key)
         decode_speedup = timing.decode_speedup(key)
         bt = bare[key]
-        base = name[: -len(TREE_SUFFIX)]
-        forwards = g
-        if name.endswith(TREE_SUFFIX) and has_field(base, "tree") and base not in cfg.static_trees:
-            # a dynamic tree's draft forwards: tree_depth (each top_k wide), not γ
-            forwards = cfg.tree_depth
-            limit = dataclasses.replace(bt, t_draft_1=bt.t_draft_1 * cfg.tree_depth / g).limit(counts.tau, g)
-        else:
-            limit = bt.limit(counts.tau, g)
-        breakdown[key] = step_breakdown(stats, timing.times[key][-1], bt, gamma=g, draft_forwards=forwards)
+        limit = pass_limit(bt, stats, timing.last(key), timing.outputs["plain"])
+        breakdown[key] = step_breakdown(stats, timing.times[key][-1], bt)
         rows.append({"proposer": name, "gamma": g, "tau": counts.tau, "alpha": counts.alpha,
                      "accepted_len": counts.accepted_length, "tree_size": counts.tree_size,
                      "tok_s": n_tokens / timing.median(key), "speedup": speedup, "decode_speedup": decode_speedup,
                      "T_t(1)_ms": bare[key].t_target_1 * 1e3, "T_t(γ+1)_ms": bare[key].t_target_g1 * 1e3,
                      "T_d(1)_ms": bare[key].t_draft_1 * 1e3, "limit": limit,
-                     "efficiency": efficiency(decode_speedup, limit) or 0.0,
+                     "efficiency": efficiency(decode_speedup, limit),
                      "equal": outputs_equal([o.token_ids for o in timing.last(key)], plain_ids)})
     plain_step_ms = timing.median("plain") * 1e3 / (n_tokens / cfg.batch_size)  # one token per request per step
     t1_ms = statistics.median(b.t_target_1 for b in bare.values()) * 1e3
@@ -241,21 +236,25 @@ def main(argv: list[str]) -> None:
     print_table(rows, f"speculation, batch {cfg.batch_size}, {len(prompts)} prompts x {cfg.new_tokens} tokens, "
                 f"{cfg.repeats} passes side by side (tok_s: median; speedup: median of per-pass ratios)")
     print_table([breakdown_row(k, b) for k, b in breakdown.items()],
-                "step time, ms per speculative step in the loop (bare: what the analytic limit charges), "
+                "step time, ms per speculative step in the loop (bare: the step's bare cost, the limit's C_spec), "
                 "last timed pass; accounted = the phases' share of its wall time")
     best = max(rows, key=lambda r: r["speedup"])
+    effs = [r["efficiency"] for r in rows]
     best_by: dict[str, dict[str, Any]] = {}
     for r in rows:
         if r["proposer"] not in best_by or r["speedup"] > best_by[r["proposer"]]["speedup"]:
             best_by[r["proposer"]] = r
     emit_json({
-        f"efficiency_batch{cfg.batch_size}": round(best["efficiency"], 4),
+        f"efficiency_batch{cfg.batch_size}": _round(best["efficiency"], 4),
+        # every run's: the limit is an upper bound, so none should pass 1 by more than the noise
+        "efficiency_max": None if None in effs else round(max(effs), 4),
         "best": f"{best['proposer']} gamma={best['gamma']}",
         "speedup": {p: round(r["speedup"], 3) for p, r in best_by.items()},
         "tau": {p: round(r["tau"], 3) for p, r in best_by.items()},
         "at_gamma4": {r["proposer"]: {"tau": round(r["tau"], 3), "speedup": round(r["speedup"], 3),
                                       "decode_speedup": round(r["decode_speedup"], 3),
-                                      "efficiency": round(r["efficiency"], 3)} for r in rows if r["gamma"] == 4},
+                                      "limit": _round(r["limit"]), "efficiency": _round(r["efficiency"])}
+                      for r in rows if r["gamma"] == 4},
         "tree_budget": {p: {str(r["gamma"]): {"tau": round(r["tau"], 3), "speedup": round(r["speedup"], 3),
                                               "tree_size": round(r["tree_size"], 2),
                                               "accepted_length": round(r["accepted_len"], 3)}
@@ -265,11 +264,16 @@ def main(argv: list[str]) -> None:
         "plain_step_vs_bare": round(plain_step_ms / t1_ms, 3),
         "step_breakdown": {k: {**{f: round(b[f], 3) for f in ("step_ms", "bare_step_ms", "outside_ms", "accounted",
                                                              "target_forward_after_draft_ms",
-                                                             "drafting_after_target_ms") if f in b},
+                                                             "drafting_after_target_ms") if b.get(f) is not None},
                                "phases": b["phases"]} for k, b in breakdown.items() if grid[k][1] == 4},
         "accounted_min": round(min(b["accounted"] for b in breakdown.values()), 4),
         "outputs_equal": all(r["equal"] for r in rows),
     })
+
+
+def _round(x: float | None, digits: int = 3) -> float | None:
+    """``x`` rounded; None (a figure not measured) stays None."""
+    return None if x is None else round(x, digits)
 
 
 def tree_vs_chain(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:

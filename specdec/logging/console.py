@@ -38,6 +38,7 @@ SUMMARY_COLUMNS = (
     ("tokens", "tokens", "d"),
     ("tokens_per_s", "tok/s", ".1f"),
     ("speedup", "speedup", ".2f"),
+    ("decode_speedup", "decode ×", ".2f"),  # after each request's first step: what efficiency divides
     ("tau", "τ", ".2f"),
     ("alpha", "α", ".3f"),
     ("analytic_limit", "limit", ".2f"),
@@ -77,6 +78,7 @@ CATEGORY_COLUMNS = (
 def _plain_row(plain: Mapping[str, Any]) -> dict[str, Any]:
     """Plain decoding's figures as a method row: γ 0, speedup and τ 1 by definition."""
     return {"method": "plain", "gamma": 0, **plain, "speedup": 1.0 if plain.get("tokens_per_s") else None,
+            "decode_speedup": None,
             "tau": 1.0, "alpha": None, "outputs_equal": None}
 
 

@@ -4,7 +4,7 @@
 expected tokens per second for the batch at hand:
 
     E[tokens](γ) = Σ_r (1 - a_r^(γ+1)) / (1 - a_r)      # a_r: request r's running acceptance
-    cost(γ)      = T_target(B, γ+1) + γ · T_draft(B)    # measured bare forward times
+    cost(γ)      = T_target(B, γ+1) + γ · T_draft(B)    # specdec.spec.cost.step_cost
 
 ``T_target(B, n)`` is a forward of ``B`` requests feeding ``n`` tokens each (measured at
 ``n`` = 1, 2 and γ + 1: a step from 1 to 2, then about linear, :class:`TargetCost`) and
@@ -87,6 +87,8 @@ import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from specdec.spec.cost import step_cost
 
 
 @dataclass(frozen=True)
@@ -277,7 +279,7 @@ def choose_gamma(
             cost = ratio * t_plain
         else:
             per_draft = fused[1](b) if fused is not None and g == fused[0] else t_draft(b)
-            cost = t_target(b, g + 1) + g * per_draft
+            cost = step_cost(g + 1, lambda n, b=b: t_target(b, int(n)), draft_forwards=g, t_draft=per_draft)
         rate = expected_tokens(accept, g) / cost
         if catch_up_s > 0:
             rate = remaining_tokens / (catch_up_s + remaining_tokens / rate)

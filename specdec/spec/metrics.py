@@ -1,4 +1,4 @@
-"""Speculation figures, defined once (see DESIGN.md):
+"""Speculation figures, defined once:
 
 - γ: draft tokens proposed per request per step;
 - accepted: draft tokens the target keeps; bonus: the one token the target
@@ -24,6 +24,33 @@ chunks) goes to ``prefill`` whole, so the other phases are those of decode
 steps, comparable with bare one-step forward times.
 On a GPU the host clock sees launches, not kernels (the device work lands in
 ``sync``); on the CPU every phase is its own compute.
+
+Analytic limit and efficiency (:func:`analytic_limit`; every tool computes them here):
+
+    limit      = τ_decode · S_plain / C_spec
+    efficiency = decode_speedup / limit
+
+- ``τ_decode``: tokens per step after each request's first step (the prefill, the
+  same work with or without speculation): decode tokens ÷ (steps - first steps);
+- ``S_plain``: plain decoding's decode-phase seconds per step in its own loop, same
+  batch (decode seconds ÷ decode tokens per request), timed at the same moments as
+  ``C_spec``'s forwards so that their ratio holds while the machine's speed drifts: a
+  benchmark's plain passes (the bare forwards timed by turns within them), the run's
+  plain decoding timed beside the bare forwards after its requests;
+- ``C_spec``: the bare cost of what the method's decode step runs
+  (:func:`specdec.spec.cost.step_cost`: the target over the rows it verified on
+  average, the drafter's forwards as they run), from bare forward times of one request.
+
+Every speculative step costs at least ``C_spec``, so the limit is the speedup a
+speculative step with no host work at all would reach over this run's plain decoding,
+and efficiency ≤ 1 up to noise; at batch 1 it is ``C_spec`` ÷ the measured speculative
+step. ``decode_speedup`` is speculation's decode-phase tokens/s ÷ plain decoding's; a
+figure that is missing (no decode timing, no bare times) leaves limit and efficiency
+missing (None), never replaced by another. For scale, plain decoding by the same
+measure scores T_target(1) ÷ S_plain (about 0.45-0.5 on a 2-core CPU, whose plain step
+in the loop costs about twice its bare forward). Bare times are medians of short
+bursts and loop times sums, so on a machine busy with other work the loop absorbs
+every preemption and efficiency reads low.
 
 Token trees (specdec/spec/tree.py): γ is the tree's *size* (nodes verified
 per request per step; ``tree_size`` = mean nodes per step), τ stays tokens
@@ -166,8 +193,16 @@ def _pad(x: list[int], n: int) -> list[int]:
     return x + [0] * (n - len(x))
 
 
-def analytic_limit(*, tau: float, gamma: int, t_target_1: float, t_target_g1: float, t_draft_1: float) -> float:
-    """Best speedup the measured forward times allow:
-    τ · T_target(1) / (T_target(γ+1) + γ · T_draft(1))."""
-    denom = t_target_g1 + gamma * t_draft_1
-    return tau * t_target_1 / denom if denom > 0 else 0.0
+def decode_tau(decode_tokens: int, steps: int, first_steps: int) -> float | None:
+    """τ of the decode phase: the tokens emitted after each request's first step ÷ the steps
+    after it (``first_steps``: one per request, per turn of a conversation); None without any."""
+    n = steps - first_steps
+    return decode_tokens / n if n > 0 and decode_tokens > 0 else None
+
+
+def analytic_limit(*, tau: float | None, plain_step_s: float | None, spec_step_s: float | None) -> float | None:
+    """Best speedup a speculative step with no host work reaches over the run's plain decoding:
+    τ · S_plain / C_spec (module doc); None when a figure is missing."""
+    if not tau or not plain_step_s or not spec_step_s:
+        return None
+    return tau * plain_step_s / spec_step_s

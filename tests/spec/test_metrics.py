@@ -1,6 +1,6 @@
 """τ, α and per-position acceptance equal values counted by hand.
 
-Definitions (DESIGN.md, :mod:`specdec.spec.metrics`):
+Definitions (:mod:`specdec.spec.metrics`):
 - τ = (accepted + bonus) / target forward passes (per request: its steps);
 - α = accepted / proposed;
 - per-position acceptance i = accepted_at[i] / reached[i], position i being
@@ -309,18 +309,27 @@ def test_step_breakdown_sets_each_phase_beside_its_bare_cost() -> None:
 
     ph = dict.fromkeys(PHASES, 0.0) | {"draft_catch_up": 0.004, "draft_steps": 0.012, "target_forward": 0.05,
                                        "verify": 0.002, "target_prepare": 0.002}
-    stats = RunStats(phase_s=ph, spec_steps=2)  # 70 ms over 2 steps
-    bare = ForwardTimes(t_target_1=0.010, t_target_g1=0.020, t_draft_1=0.001)
-    b = step_breakdown(stats, 0.080, bare, gamma=4)
+    full = SpecCounts(steps=2, proposed=8)  # 4 drafts a step: a full γ = 4 chain
+    stats = RunStats(counts=full, phase_s=ph, spec_steps=2)  # 70 ms over 2 steps
+    bare = ForwardTimes(t_target_1=0.010, t_target_g1=0.020, t_draft_1=0.001, max_rows=5, draft_forwards=4,
+                        max_drafts=4)
+    b = step_breakdown(stats, 0.080, bare)
     assert b["phases"]["target_forward"] == [25.0, 20.0]  # ms per step: in the loop, bare T_t(γ+1)
     assert b["phases"]["draft_catch_up"] == [2.0, 1.0]  # the first of γ draft forwards
     assert b["phases"]["draft_steps"] == [6.0, 3.0]  # the other γ - 1
-    assert b["phases"]["verify"] == [1.0, 0.0]  # host work: the limit charges nothing
+    assert b["phases"]["verify"] == [1.0, 0.0]  # host work: the step's bare cost has none
     assert b["bare_step_ms"] == 24.0 and b["step_ms"] == 40.0
     assert abs(b["accounted"] - 70 / 80) < 1e-12 and abs(b["outside_ms"] - 5.0) < 1e-12
-    # A drafter without a catch-up (Medusa's heads): all γ forwards under draft_steps.
-    no_catch = RunStats(phase_s=ph | {"draft_catch_up": 0.0}, spec_steps=2)
-    assert step_breakdown(no_catch, 0.08, bare, gamma=4)["phases"]["draft_steps"] == [6.0, 4.0]
+    # A drafter without a catch-up (Medusa's heads): all its forwards under draft_steps.
+    no_catch = RunStats(counts=full, phase_s=ph | {"draft_catch_up": 0.0}, spec_steps=2)
+    assert step_breakdown(no_catch, 0.08, bare)["phases"]["draft_steps"] == [6.0, 4.0]
+    # Half the drafts (an n-gram's misses, adaptive γ's plain steps): half the rows and forwards.
+    half = step_breakdown(RunStats(counts=SpecCounts(steps=2, proposed=4), phase_s=ph, spec_steps=2), 0.08, bare)
+    assert half["phases"]["target_forward"][1] == pytest.approx(15.0)  # T_t(3) on the line T_t(1) .. T_t(5)
+    assert half["bare_step_ms"] == pytest.approx(17.0)
+    # Bare times without the step's shape (an old forward_times.json): no bare cost, said so.
+    old = step_breakdown(stats, 0.08, ForwardTimes(t_target_1=0.010, t_target_g1=0.020))
+    assert old["bare_step_ms"] is None and old["phases"]["target_forward"] == [25.0, 0.0]
 
 
 def test_after_other_forward_times_run_the_other_model_before_each_timed_call(target, generate) -> None:
@@ -350,7 +359,9 @@ def test_after_other_forward_times_run_the_other_model_before_each_timed_call(ta
 
     proposer.draft_forward_time = counted
     plain = limit_forward_times({"m": llm}, 16, rounds=2, repeats=3)["m"]
-    assert plain.t_target_g1_after_draft == 0.0 and plain.t_draft_1_after_target == 0.0
+    assert plain.t_target_g1_after_draft is None and plain.t_draft_1_after_target is None  # not measured
+    assert plain.step_s(3.0, after_other=True) is None  # ... so not replaced by the bare ones
+    assert (plain.max_rows, plain.draft_forwards, plain.max_drafts) == (4, 3.0, 3)  # a chain of γ = 3
     assert calls == [(3, 3, 0), (3, 3, 0)]  # T_draft(1) once per round
     calls.clear()
     t = limit_forward_times({"m": llm}, 16, rounds=2, repeats=3, after_other=True)["m"]
@@ -359,14 +370,39 @@ def test_after_other_forward_times_run_the_other_model_before_each_timed_call(ta
     # verification forward before each of its 3.
     assert sorted(calls) == [(1, 0, 0)] * 6 + [(3, 3, 0)] * 2 + [(3, 3, 3)] * 2
     assert t.t_target_g1_after_draft > 0 and t.t_draft_1_after_target > 0
-    # The limit charges the bare forwards unless asked for the after-other ones.
-    ft = ForwardTimes(t_target_1=0.010, t_target_g1=0.020, t_draft_1=0.001, t_target_g1_after_draft=0.025,
-                      t_draft_1_after_target=0.0015)
-    assert ft.limit(3.0, 4) == pytest.approx(3.0 * 0.010 / 0.024)
-    assert ft.limit(3.0, 4, after_other=True) == pytest.approx(3.0 * 0.010 / 0.031)
-    b = step_breakdown(RunStats(spec_steps=1), 0.03, ft, gamma=4)
+    # The step's cost charges the bare forwards unless asked for the after-other ones.
+    ft = ForwardTimes(t_target_1=0.010, t_target_g1=0.020, t_draft_1=0.001, max_rows=5, draft_forwards=4,
+                      max_drafts=4, t_target_g1_after_draft=0.025, t_draft_1_after_target=0.0015)
+    assert ft.step_s(4) == pytest.approx(0.024)
+    assert ft.step_s(4, after_other=True) == pytest.approx(0.031)
+    b = step_breakdown(RunStats(counts=SpecCounts(steps=1, proposed=4), spec_steps=1), 0.03, ft)
     assert b["target_forward_after_draft_ms"] == 25.0 and b["phases"]["target_forward"][1] == 20.0
     assert b["drafting_after_target_ms"] == pytest.approx(6.0)  # γ drafts at 1.5 ms
+
+
+def test_a_dynamic_trees_step_is_charged_its_depth_of_draft_forwards(target, generate) -> None:
+    # The limit charges what a step runs: a dynamic tree's drafter runs one forward per level
+    # (``depth``), not one per node, and the target verifies the budget's rows.
+    from specdec.measure import step_shape
+    from specdec.spec.tree import TreeConfig
+
+    tree = TreeConfig(kind="dynamic", top_k=2, depth=2)
+    _, llm = generate(target, DraftModelConfig(path=str(target.path), num_speculative_tokens=6, tree=tree),
+                      [[3, 14, 15, 9]], SamplingParams(max_new_tokens=4))
+    assert step_shape(llm) == (7, 2.0, 6)  # rows γ + 1, forwards = depth, drafts = the node budget
+
+
+def test_plain_decodings_loop_step_is_timed_with_the_bare_forwards(target, generate) -> None:
+    # The run summary's S_plain: plain decoding's decode step in its own loop (engine and
+    # all), timed in the same rounds as the bare forwards, so it costs at least the bare T(1).
+    from specdec.measure import limit_forward_times
+
+    _, plain = generate(target, None, [[3, 14, 15, 9]], SamplingParams(max_new_tokens=2))
+    _, llm = generate(target, DraftModelConfig(path=str(target.path), num_speculative_tokens=2),
+                      [[3, 14, 15, 9]], SamplingParams(max_new_tokens=2))
+    ft = limit_forward_times({"m": llm}, 16, rounds=2, repeats=3, plain=plain)["m"]
+    assert ft.plain_step_s is not None and ft.plain_step_s > 0.5 * ft.t_target_1
+    assert limit_forward_times({"m": llm}, 16, rounds=1, repeats=2)["m"].plain_step_s is None  # not asked for
 
 
 def test_bench_checkpoints_in_scratch_dirs_go_when_the_process_exits() -> None:
@@ -496,7 +532,7 @@ def test_limit_runs_time_the_bare_forwards_within_the_passes_and_leave_their_tok
     for what in ("t1", "tg", "td"):
         rounds = timing.outputs[f"bare m: {what}"]
         assert len(rounds) == 2 and all(len(r) == 3 and min(r) > 0 for r in rounds)
-    ft = limit_from(timing, ["m"])["m"]
+    ft = limit_from(timing, {"m": llm})["m"]
     assert ft.t_target_1 == statistics.median(x for r in timing.outputs["bare m: t1"] for x in r)
     assert ft.t_draft_1 == statistics.median(x for r in timing.outputs["bare m: td"] for x in r)
-    assert ft.t_target_g1_after_draft == 0.0
+    assert ft.t_target_g1_after_draft is None  # not timed here
