@@ -129,6 +129,7 @@ class RunConfig:
     save_outputs: bool = True  # store output token ids (and text) per request
     plots: bool = True
     progress: bool = True  # a bar on a terminal, else log lines (requests, tokens/s, τ; loading, warm-up, timing)
+    allow_mismatch: bool = False  # greedy outputs unequal to plain decoding's: a log line, not exit code 3
 
     def __post_init__(self) -> None:
         if not self.target.path:
@@ -181,8 +182,8 @@ def method_configs(node: dict[str, Any], selected: list[str] | None = None) -> d
     shared = {k: v for k, v in node.items() if k in shared_keys}
     try:
         ProposerConfig(**shared)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"method.{e}") from None
+    except (TypeError, ValueError) as e:  # (its messages name method.<option>)
+        raise ConfigError(str(e) if str(e).startswith("method.") else f"method.{e}") from None
     out: dict[str, ProposerConfig] = {}
     for name, sub in node.items():
         if name in shared_keys:
@@ -207,8 +208,8 @@ def method_configs(node: dict[str, Any], selected: list[str] | None = None) -> d
         except OmegaConfBaseException as e:
             key = getattr(e, "full_key", None)
             raise ConfigError(f"method.{name}.{key}: {e.msg}" if key else f"method.{name}: {e}") from None
-        except ValueError as e:
-            raise ConfigError(f"method.{name}.{e}") from None
+        except ValueError as e:  # (a method's config names method.<name>.<option> itself)
+            raise ConfigError(str(e) if str(e).startswith("method.") else f"method.{name}.{e}") from None
     return out
 
 

@@ -14,9 +14,14 @@ where it is found) and calls :func:`specdec.experiment.run_experiment`::
     specdec logger=none | logger.mode=online
 
 How a run ends on stderr, without a traceback: a run that cannot start or
-save (a bad key, file or disk) prints ``specdec: error: ...`` and exits 2;
-Ctrl-C and SIGTERM print ``specdec: interrupted`` and exit 130 / 143. When
-results were saved, the next line is the command that continues the run.
+save (a bad key, file or disk, or a run dir another run is writing: ``run dir
+'…' is in use by pid N``) prints ``specdec: error: ...`` and exits 2; greedy
+outputs of a method that differ from plain decoding's print ``specdec: error:
+outputs differ from plain decoding: <method> (request <id>, position <i>) …``
+and exit 3, after the results and summary are saved (``allow_mismatch=true``:
+a log line, exit 0); Ctrl-C and SIGTERM print ``specdec: interrupted`` and exit
+130 / 143. When results were saved, the next line is the command that
+continues the run.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import os
 import signal
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +58,12 @@ def _main(cfg: DictConfig) -> dict[str, Any]:
     from specdec.conf_schema import ConfigError
     from specdec.core.checkpoint import CheckpointError
     from specdec.data import PromptDataError
-    from specdec.experiment import ExperimentError, Terminated, run_experiment
+    from specdec.experiment import ExperimentError, OutputsDiffer, Terminated, run_experiment
 
     try:
         return run_experiment(cfg)
+    except OutputsDiffer as e:  # all saved: the run is done, its outputs are wrong
+        raise _fail("error", e, 3) from None
     except (ConfigError, ExperimentError, PromptDataError, CheckpointError) as e:
         # The message names the key or file: no traceback.
         raise _fail("error", e, 2) from None
@@ -66,9 +73,14 @@ def _main(cfg: DictConfig) -> dict[str, Any]:
 
 def _check_resume_dir(args: Sequence[str]) -> None:
     """A bad ``resume_dir=`` is refused before Hydra makes it its run dir (creating it, or
-    writing ``.hydra/`` into, say, a checkpoint dir)."""
+    writing ``.hydra/`` into, say, a checkpoint dir); so is an existing run dir
+    (``resume_dir=`` / ``hydra.run.dir=``) that another run is writing: this process locks it
+    first, for its lifetime (rank 0 under torchrun, the one that writes it; a multirun's jobs
+    each lock their own)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
+
+    from specdec.dist.group import env_rank, env_world_size
 
     parser = OverridesParser.create()
     for arg in args:
@@ -77,13 +89,18 @@ def _check_resume_dir(args: Sequence[str]) -> None:
         except HydraException:  # a flag (-m, --config-name …) or its value: Hydra's to judge
             continue
         value = o.value()
-        if o.key_or_group == "resume_dir" and isinstance(value, str):
-            from specdec.experiment import ExperimentError, check_resume_dir
+        if o.key_or_group not in ("resume_dir", "hydra.run.dir") or not isinstance(value, str):
+            continue
+        from specdec.experiment import ExperimentError, check_resume_dir, hold_run_dir
 
-            try:
+        try:
+            if o.key_or_group == "resume_dir":
                 check_resume_dir(Path(value))
-            except ExperimentError as e:
-                raise _fail("error", e, 2) from None
+            writer = env_world_size() <= 1 or env_rank() == 0
+            if writer and Path(value).is_dir() and not {"-m", "--multirun"} & set(args):
+                hold_run_dir(Path(value))
+        except ExperimentError as e:
+            raise _fail("error", e, 2) from None
 
 
 def _follower_args(args: list[str]) -> list[str]:
@@ -111,11 +128,40 @@ def main() -> None:
     _check_resume_dir(sys.argv[1:])
     sys.argv[1:] = _follower_args(sys.argv[1:])
     try:
-        _main()
+        _compose_errors_exit_2(_main)
     finally:
         from specdec.dist import shutdown
 
         shutdown()
+
+
+def _compose_errors_exit_2(app: Callable[[], Any]) -> None:
+    """Runs the Hydra ``app`` with a config Hydra cannot compose (``foo=1``, a misspelt key, a
+    wrong type, an unknown group option, an override it cannot parse) ending as every bad key
+    does: ``specdec: error: …`` naming it, exit 2 (Hydra's own report exits 1).
+
+    ``HYDRA_FULL_ERROR=1`` is what makes Hydra raise its errors instead of reporting them (so any
+    other exception shows its whole traceback); set by the user, they get Hydra's as asked.
+    """
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    before = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        app()
+    except HydraException as e:
+        if before == "1":
+            raise
+        lines = [ln for ln in str(e).splitlines() if not ln.startswith("To append to your config use +")]
+        if isinstance(e.__cause__, OmegaConfBaseException):  # what names the key: "full_key: foo"
+            lines.append(str(e.__cause__))
+        raise _fail("error", HydraException("\n".join(lines)), 2) from None
+    finally:
+        if before is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = before
 
 
 if __name__ == "__main__":

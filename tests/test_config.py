@@ -179,3 +179,26 @@ def test_run_dirs_never_collide_and_resume_dir_is_reused():
     assert OmegaConf.to_container(a.sweep)["subdir"] == "${hydra.job.num}"
     assert _compose(["resume_dir=/runs/old"], hydra=True).hydra.run.dir == "/runs/old"
     assert _compose(["name=abc"], hydra=True).hydra.sweep.dir.startswith("outputs/abc/multirun/")
+
+
+@pytest.mark.parametrize(("override", "named"), [
+    ("foo=1", "full_key: foo"),
+    ("sampling.temprature=0.5", "full_key: sampling.temprature"),
+    ("data=nosuch", "Could not find 'data/nosuch'"),
+])
+def test_an_override_hydra_cannot_compose_exits_2_naming_the_key(tmp_path, monkeypatch, capsys, override, named):
+    """The command line (``specdec foo=1``): Hydra's own composition errors end as every bad key does."""
+    import os
+
+    from specdec.run import main
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr("sys.argv", ["specdec", override, f"hydra.run.dir={tmp_path / 'run'}"])
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert err.startswith("specdec: error: ") and named in err and "Traceback" not in err, err
+    assert "To append to your config use" not in err  # Hydra's hint, which fails the same way
+    assert not (tmp_path / "run").exists()
+    assert "HYDRA_FULL_ERROR" not in os.environ

@@ -137,6 +137,11 @@ def test_end_to_end_files_wandb_and_resume(tiny_pair, tmp_path, monkeypatch):
     assert 0 < dm["alpha"] < 1 and dm["tau"] > 1  # the perturbed target: some drafts kept, some not
     assert len(dm["per_position_acceptance"]) == 3
     assert on_disk["outputs_equal"] is True and summary["outputs_equal"] is True
+    assert on_disk["methods"]["draft_model"]["first_mismatch"] is None
+    machine = on_disk["machine"]  # what the figures were measured on (tests/test_machine_record.py)
+    assert machine["cpu"] and machine["cores"] >= 1 and machine["python"] and machine["os"]
+    assert machine["device"] == "cpu" and machine["gpu"] is None and machine["torch_build"]
+    assert machine["git"] is None or len(machine["git"]["commit"]) == 40
     for png in ("acceptance_per_position", "tau_speedup", "accepted_hist"):
         assert (run_dir / "plots" / f"{png}.png").stat().st_size > 1000
     assert "draft_model" in (run_dir / "summary.txt").read_text()

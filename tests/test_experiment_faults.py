@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -70,24 +71,6 @@ def test_summary_counts_errors_and_never_calls_a_run_with_failures_equal():
 
     failed = summarize([_record("x", error="e"), _record("y", plain_error="e")], gammas={"m": 2}, greedy=True)
     assert failed["outputs_equal"] is None and failed["methods"]["m"]["tau"] is None  # nothing measured
-
-
-def test_efficiency_divides_the_decode_phase_speedup_by_the_limit():
-    """The analytic limit models decoding steps, so a run's efficiency leaves each request's
-    first step (the prefill) out on both sides; records without decode timing fall back to
-    the whole-request speedup."""
-    limit_times = {"t_target_1": 1.0, "t_target_g1": 1.0, "t_draft_1": 0.0}  # limit = τ = 2 at γ 2
-    recs = [_record("a"), _record("b")]
-    for r in recs:  # whole requests: 2 tokens in 0.1 s plain, 0.05 s speculative -> speedup 2
-        r["plain"] |= {"decode_s": 0.08, "decode_tokens": 1}  # decode phase: speedup 0.08 / 0.02 = 4
-        r["methods"]["m"] |= {"decode_s": 0.02, "decode_tokens": 1, "reached": [1, 1], "accepted_at": [1, 0]}
-    m = summarize(recs, gammas={"m": 2}, greedy=True, forward_times={"m": limit_times})["methods"]["m"]
-    assert m["speedup"] == pytest.approx(2.0) and m["decode_speedup"] == pytest.approx(4.0)
-    assert m["analytic_limit"] == pytest.approx(2.0) and m["efficiency"] == pytest.approx(2.0)
-    for r in recs:
-        del r["methods"]["m"]["decode_s"]
-    m = summarize(recs, gammas={"m": 2}, greedy=True, forward_times={"m": limit_times})["methods"]["m"]
-    assert m["decode_speedup"] is None and m["efficiency"] == pytest.approx(1.0)
 
 
 def test_too_few_kv_blocks_fails_requests_loudly_and_resume_runs_them_again(tiny_pair, tmp_path, caplog):
@@ -216,3 +199,86 @@ def test_disk_full_mid_run_ends_with_the_file_and_the_resume_hint(tiny_pair, tmp
     s = run_experiment(_compose([*over, f"resume_dir={run_dir}"]))
     assert [r["id"] for r in _lines(run_dir / "results.jsonl")] == ["p0", "p1", "p2", "p3"]
     assert s["complete"] is True and s["errors"] == 0
+
+
+def test_a_second_run_in_a_run_dir_fails_at_once_naming_the_holder(tiny_pair, tmp_path):
+    """Two runs writing one run dir would interleave their lines: while one holds the dir's lock,
+    a resume (in-process or on the command line) fails naming its pid and writes nothing there;
+    once released (the lock file stays, with the old pid), the resume finishes the run."""
+    from specdec.experiment import RunDirBusy, RunDirLock
+
+    run_dir = tmp_path / "run"
+    over = _overrides(tiny_pair, run_dir, *FAST, "method=ngram")
+    run_experiment(_compose([*over, "data.limit=2"]))
+
+    def snapshot() -> dict[str, bytes]:
+        return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+    before = snapshot()
+    with RunDirLock(run_dir):  # this test process is "the other run"
+        with pytest.raises(RunDirBusy, match=re.escape(f"run dir '{run_dir}' is in use by pid {os.getpid()} ")):
+            run_experiment(_compose([*over, f"resume_dir={run_dir}"]))
+        cli = _cli(*over, f"resume_dir={run_dir}", cwd=tmp_path)
+        _, err = cli.communicate(timeout=120)
+        assert cli.returncode == 2, err[-3000:]
+        assert err.startswith(f"specdec: error: run dir '{run_dir}' is in use by pid {os.getpid()} "), err[-3000:]
+        assert "Traceback" not in err
+        assert snapshot() == before  # not a byte written (not even Hydra's .hydra/)
+
+    s = run_experiment(_compose([*over, f"resume_dir={run_dir}"]))
+    assert [r["id"] for r in _lines(run_dir / "results.jsonl")] == ["p0", "p1", "p2", "p3"]
+    assert s["complete"] is True and s["num_requests"] == 4
+
+
+# A method that gets request p0's third token wrong (after generating it): what a broken verifier does.
+_WRONG_METHOD = """
+import sys
+import specdec.experiment.runner as runner
+
+_steps = runner._generate_steps
+
+def wrong(llm, items, clock):
+    ctxs = yield from _steps(llm, items, clock)
+    for c in ctxs:
+        if llm.method is not None and c.request_id == "p0" and c.num_generated > 2:
+            c.tokens[c.prompt_len + 2] = (c.tokens[c.prompt_len + 2] + 1) % 128
+    return ctxs
+
+runner._generate_steps = wrong
+from specdec.run import main
+
+sys.argv[0] = "specdec"
+main()
+"""
+
+
+def test_outputs_that_differ_from_plain_decoding_end_the_run_with_exit_3(tiny_pair, tmp_path, caplog):
+    """A method whose greedy output differs from plain decoding's: the run saves everything, then
+    exits 3 naming the method, the first request and position; allow_mismatch=true logs it instead."""
+    from specdec.experiment import OutputsDiffer
+
+    run_dir = tmp_path / "run"
+    over = _overrides(tiny_pair, run_dir, *FAST, "method=ngram", "data.limit=2")
+    script = tmp_path / "wrong_method.py"
+    script.write_text(_WRONG_METHOD)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    out = subprocess.run([sys.executable, str(script), *over], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 3, out.stderr[-3000:]
+    assert "specdec: error: outputs differ from plain decoding: ngram (request p0, position 2)" in out.stderr
+    assert "Traceback" not in out.stderr
+    s = json.loads((run_dir / "summary.json").read_text())  # saved before the exit
+    assert s["complete"] is True and s["outputs_equal"] is False
+    assert s["methods"]["ngram"]["first_mismatch"] == {"id": "p0", "position": 2}
+    recs = _lines(run_dir / "results.jsonl")
+    assert [r["methods"]["ngram"]["equal_to_plain"] for r in recs] == [False, True]
+    assert (run_dir / "summary.txt").is_file()
+
+    # The finished run, resumed (nothing to generate): the same verdict, unless allowed.
+    with pytest.raises(OutputsDiffer, match=r"ngram \(request p0, position 2\)") as err:
+        run_experiment(_compose([*over, f"resume_dir={run_dir}"]))
+    assert err.value.summary["outputs_equal"] is False
+    with caplog.at_level("ERROR"):
+        allowed = run_experiment(_compose([*over, f"resume_dir={run_dir}", "allow_mismatch=true"]))
+    assert allowed["outputs_equal"] is False
+    assert "outputs differ from plain decoding: ngram (request p0, position 2)" in caplog.text

@@ -44,7 +44,14 @@ mid-run) is recorded with its ``error`` and the others go on; the summary then
 counts it in ``errors`` and never reports the run ``complete`` or its outputs
 equal. Ctrl-C, SIGTERM, a full or read-only disk and any other exception end
 the run with what is saved left valid, and the exception carries (as a note)
-the command that continues the run.
+the command that continues the run. A run holds its dir's lock while it writes
+it (:class:`~.rundir.RunDirLock`): a second run there fails at once
+(:class:`RunDirBusy`). Greedy outputs of a method that differ from plain
+decoding's end the run, once everything is saved, with :class:`OutputsDiffer`
+unless ``allow_mismatch=true``.
+
+``summary.json`` also records the ``machine`` (:mod:`.machine`): CPU, OS,
+Python, torch build, GPU, git commit.
 """
 
 from __future__ import annotations
@@ -59,11 +66,11 @@ from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
-from specdec.conf_schema import RunConfig, build_components, to_plain_dict, to_run_config
+from specdec.conf_schema import Components, RunConfig, build_components, to_plain_dict, to_run_config
 from specdec.core.kv_cache import OutOfBlocks
 from specdec.data.prompts import load_prompts
 from specdec.experiment.rundir import (
@@ -76,12 +83,16 @@ from specdec.experiment.rundir import (
     TABLE_FILE,
     ExperimentError,
     ResultsStore,
+    RunDirBusy,
     RunDirError,
+    RunDirLock,
     check_checkpoints,
     check_resume_config,
     check_resume_dir,
     failed,
+    hold_run_dir,
     hydra_job,
+    lock_run_dir,
     make_run_dir,
     resolve_run_dir,
     resume_command,
@@ -98,6 +109,7 @@ from specdec.experiment.dashboard import (
     position_rows,
     run_labels,
 )
+from specdec.experiment.machine import machine_record
 from specdec.logging.progress import Progress
 from specdec.experiment.runner import Request, Runner, request_seed
 from specdec.experiment.summary import TABLE_COLUMNS, request_metrics, summarize, table_rows
@@ -106,20 +118,42 @@ from specdec.logging import RunLogger, build_logger, summary_table
 
 __all__ = [
     "ExperimentError",
+    "OutputsDiffer",
     "ResultsStore",
+    "RunDirBusy",
     "RunDirError",
+    "RunDirLock",
     "Runner",
     "SweepPlots",
     "Terminated",
     "build_logger",
     "check_resume_dir",
+    "hold_run_dir",
+    "machine_record",
     "request_seed",
     "resume_command",
     "run_experiment",
     "summarize",
 ]
 
+if TYPE_CHECKING:
+    from specdec.dist.group import DistContext
+
 log = logging.getLogger(__name__)
+
+
+class OutputsDiffer(Exception):
+    """Greedy outputs of some method differ from plain decoding's (raised after the run's
+    results and summary are saved; ``allow_mismatch=true`` makes it a log line).
+    ``summary``: the run's summary."""
+
+    def __init__(self, summary: dict[str, Any], results: Path) -> None:
+        bad = [f"{n} (request {m['first_mismatch']['id']}, position {m['first_mismatch']['position']})"
+               if m.get("first_mismatch") else n
+               for n, m in summary["methods"].items() if m["outputs_equal"] is False]
+        super().__init__(f"outputs differ from plain decoding: {', '.join(bad)}; every request's "
+                         f"equal_to_plain and first_mismatch are in {results} (allow_mismatch=true accepts this)")
+        self.summary = summary
 
 
 class Terminated(KeyboardInterrupt):
@@ -151,7 +185,11 @@ def _first_error(recs: Sequence[dict[str, Any]]) -> str:
 
 
 def run_experiment(cfg: DictConfig | RunConfig, *, run_dir: str | Path | None = None) -> dict[str, Any]:
-    """Runs the experiment ``cfg`` describes; returns the summary (also in ``summary.json``)."""
+    """Runs the experiment ``cfg`` describes; returns the summary (also in ``summary.json``).
+
+    Raises :class:`RunDirBusy` when another process runs in the dir, and :class:`OutputsDiffer`
+    (after saving everything) when greedy outputs differ from plain decoding's and
+    ``allow_mismatch`` is false."""
     with _sigterm_interrupts():
         return _run(cfg, run_dir)
 
@@ -164,10 +202,21 @@ def _run(cfg: DictConfig | RunConfig, run_dir: str | Path | None) -> dict[str, A
 
     dctx, _ = dp.localize(rc.runtime)  # under torchrun: join the launch; rank 0 alone writes
     if not dctx.is_writer:
-        return dp.follow(rc, comps)
-    resuming = rc.resume or rc.resume_dir is not None
+        return dp.follow(rc, comps, Runner)
     rdir = resolve_run_dir(rc, run_dir)
     make_run_dir(rdir)
+    with lock_run_dir(rdir):  # a second run in this dir fails here, having written nothing
+        summary = _run_in(rc, comps, rdir, dctx)
+    if summary["outputs_equal"] is False and not rc.allow_mismatch:
+        raise OutputsDiffer(summary, rdir / RESULTS_FILE)
+    return summary
+
+
+def _run_in(rc: RunConfig, comps: Components, rdir: Path, dctx: DistContext) -> dict[str, Any]:
+    """The run, in the locked run dir ``rdir`` (rank 0's, under torchrun)."""
+    from specdec.dist import data_parallel as dp
+
+    resuming = rc.resume or rc.resume_dir is not None
     cfg_dict = to_plain_dict(rc)
     if resuming:
         check_resume_config(rdir, cfg_dict)
@@ -209,6 +258,7 @@ def _run(cfg: DictConfig | RunConfig, run_dir: str | Path | None) -> dict[str, A
         "sampling": asdict(comps.sampling),
         "batch_size": rc.batch_size,
         "num_prompts": len(prompts),
+        "machine": machine_record(comps.runtime.device),
     }
     timings_file = rdir / FORWARD_TIMES_FILE
     timings: dict[str, Any] = json.loads(timings_file.read_text()) if timings_file.is_file() else {}
@@ -274,10 +324,8 @@ def _run(cfg: DictConfig | RunConfig, run_dir: str | Path | None) -> dict[str, A
     if summary["errors"]:
         log.error("%d of %d requests failed (first: %s); each one's error is in %s",
                   summary["errors"], len(recs), _first_error(recs), rdir / RESULTS_FILE)
-    if summary["outputs_equal"] is False:
-        bad = [n for n, m in summary["methods"].items() if m["outputs_equal"] is False]
-        log.error("greedy outputs differ from plain decoding for %s (see equal_to_plain in %s)",
-                  ", ".join(bad), rdir / RESULTS_FILE)
+    if summary["outputs_equal"] is False and rc.allow_mismatch:  # else OutputsDiffer, once all is saved
+        log.error("%s", OutputsDiffer(summary, rdir / RESULTS_FILE))
 
     images = {}
     if rc.plots:

@@ -27,8 +27,9 @@ from typing import Any
 from specdec.api import LLM
 from specdec.conf_schema import Components
 from specdec.core.context import SamplingParams, TextContext
-from specdec.data.chat import ChatTemplate, conversation_prompt, load_chat_template
+from specdec.data.chat import ChatTemplate, ChatTemplateError, conversation_prompt, load_chat_template
 from specdec.data.prompts import Prompt
+from specdec.dist.group import current
 from specdec.engine import drain
 from specdec.experiment.rundir import PLAIN, ExperimentError
 from specdec.experiment.summary import Repetition, merge_counts
@@ -99,6 +100,12 @@ def _entry(ctx: TextContext, wall: float, n: int) -> dict[str, Any]:
     return e
 
 
+def _failed_turn(error: str) -> dict[str, Any]:
+    """The entry of a turn whose prompt could not be made (its chat template failed): no output."""
+    return {"output_len": 0, "finish_reason": "error", "error": error, "time_s": 0.0, "time_share_s": 0.0,
+            "tokens_per_s": None}
+
+
 def _total(turns: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One pipeline's entry for a conversation: the totals over its ``turns`` (kept under ``turns``)."""
     out_len = sum(t["output_len"] for t in turns)
@@ -122,8 +129,8 @@ def _total(turns: Sequence[dict[str, Any]]) -> dict[str, Any]:
         e["gamma"] = turns[0]["gamma"]
         if all("steps" in t for t in turns):
             e.update(_counts_dict(merge_counts(turns)[0]))
-        e["draft_time_s"] = sum(t["draft_time_s"] for t in turns)
-        e["target_time_s"] = sum(t["target_time_s"] for t in turns)
+        e["draft_time_s"] = sum(t.get("draft_time_s", 0.0) for t in turns)
+        e["target_time_s"] = sum(t.get("target_time_s", 0.0) for t in turns)
         if all("phase_s" in t for t in turns):
             e["phase_s"] = {p: sum(t["phase_s"][p] for t in turns) for p in turns[0]["phase_s"]}
             e["spec_steps"] = sum(t["spec_steps"] for t in turns)
@@ -147,7 +154,9 @@ class Runner:
         self.save_outputs = save_outputs
         self.max_prompt_tokens: int | None = comps.data.max_prompt_tokens
         # before any model loads: a missing template fails at once, naming the file
-        self.chat: ChatTemplate | None = load_chat_template(comps.target) if comps.data.chat else None
+        self.chat: ChatTemplate | None = load_chat_template(
+            comps.target, time_limit_s=comps.data.chat_time_limit_s, max_chars=comps.data.chat_max_chars
+        ) if comps.data.chat else None
         self.llms: dict[str, LLM] = {}
         for name, mcfg in {PLAIN: None, **comps.methods}.items():
             try:
@@ -183,7 +192,7 @@ class Runner:
         """The text of the prompt for turn ``len(answers)`` of ``p``, after those answers."""
         assert p.text is not None
         turns = p.turns or (p.text,)
-        return conversation_prompt(turns[: len(answers) + 1], answers, self.chat)
+        return conversation_prompt(turns[: len(answers) + 1], answers, self.chat, prompt_id=p.id)
 
     def prompt_ids(self, p: Prompt, text: str) -> list[int]:
         """``p``'s prompt ``text`` encoded (a rendered chat template brings its own special tokens), the
@@ -233,7 +242,13 @@ class Runner:
                         e["prompt"] = prompts[name][rid][0]
                     if not e["error"] and t + 1 < r.num_turns:
                         answers = [self.plain.decode(o) or "" for o in outs[name][rid]]  # up to this turn's
-                        text = self.prompt_text(r.prompt, answers)
+                        try:
+                            text = self.prompt_text(r.prompt, answers)
+                        except ChatTemplateError as exc:  # renders this pipeline's own answers: its turn fails
+                            turns[name][rid].append(_failed_turn(str(exc)))
+                            outs[name][rid].append([])
+                            ended[name].add(rid)
+                            continue
                         prompts[name][rid] = text, self.prompt_ids(r.prompt, text)
         now = time.time()
         return [self._record(r, turns, outs, batch_index, len(reqs), now) for r in reqs]
@@ -249,7 +264,8 @@ class Runner:
         runs = {name: Run(partial(_generate, llm, items[name]), before=llm.pipeline.reset_stats,
                           steps=partial(_generate_steps, llm, items[name]))
                 for name, llm in self.llms.items()}
-        timing = lockstep(runs, baseline=PLAIN, repeats=1, warmup=0, offset=offset)
+        # Tensor-parallel ranks run every forward together: each turn ends where rank 0's clock ends it.
+        timing = lockstep(runs, baseline=PLAIN, repeats=1, warmup=0, offset=offset, decide=current().decide)
         for name, llm in self.llms.items():
             n = len(items[name])
             if not n:
@@ -309,4 +325,5 @@ class Runner:
 
     def forward_times(self, ctx_len: int) -> dict[str, ForwardTimes]:
         """Bare forward times of each method's models at ``ctx_len``, for its analytic limit."""
-        return limit_forward_times({name: self.llms[name] for name in self.comps.methods}, ctx_len)
+        return limit_forward_times({name: self.llms[name] for name in self.comps.methods}, ctx_len,
+                                   plain=self.llms[PLAIN], batch=self.comps.runtime.max_batch_size)

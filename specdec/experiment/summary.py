@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.experiment.rundir import PLAIN, failed
-from specdec.measure import ForwardTimes, efficiency
+from specdec.measure import ForwardTimes, efficiency, spec_limit
 from specdec.spec.metrics import SpecCounts
 
 
@@ -127,9 +127,8 @@ def summarize(
 
     With ``forward_times`` (per method: the fields of
     :class:`specdec.measure.ForwardTimes`) each method also gets its analytic
-    limit and efficiency = decode_speedup / limit (tokens/s after each request's
-    first step, speculation ÷ plain: the limit models decoding steps, not the
-    prefill; the whole-request speedup where records lack decode timing).
+    limit and efficiency = decode_speedup / limit (both defined in
+    :mod:`specdec.spec.metrics`; None where records lack decode timing).
     """
     cats = _categories(records)
     plain = _plain_figures(records)
@@ -203,17 +202,25 @@ def _method_figures(
         # equal only when every request was compared: a failed one (here or in plain) is not
         "outputs_equal": _all_equal(n_eq, len(ents), len(mine)) if greedy else None,
         "num_equal": n_eq,
+        # the first request (in run order) whose output differs from plain decoding's, and where
+        "first_mismatch": next(({"id": r["id"], "position": r["methods"][name].get("first_mismatch")} for r in both
+                                if r["methods"][name].get("equal_to_plain") is False), None) if greedy else None,
         "draft_time_s": sum(e.get("draft_time_s") or 0.0 for e in ents),
         "target_time_s": sum(e.get("target_time_s") or 0.0 for e in ents),
         "errors": sum(1 for e in mine if e.get("error")),
         "repetition": _repetition_of([e for e in mine if not e.get("error")]),
     }
     m.update(_step_time(ents))
-    if forward_times and m["speedup"] and counts.steps:
-        m["analytic_limit"] = ForwardTimes(**forward_times).limit(counts.tau, gamma)
-        # The limit models decoding steps: the decode-phase speedup (prefill left out on both
-        # sides, as the benchmarks do), the whole-request one for records without it.
-        m["efficiency"] = efficiency(m["decode_speedup"] or m["speedup"], m["analytic_limit"])
+    if forward_times:
+        # The limit models decoding steps (spec/metrics.py): decode-phase τ; S_plain, plain
+        # decoding's step in its loop, and C_spec timed together after the run (a ratio of
+        # two moments' speeds would carry the machine's drift). No decode timing: both missing.
+        ft = ForwardTimes(**forward_times)
+        m["analytic_limit"] = spec_limit(
+            ft, counts, first_steps=sum(len(e.get("turns") or [0]) for e in ents),
+            decode_tokens=sum(e["decode_tokens"] for e in ents), plain_step_s=ft.plain_step_s,
+        ) if all("decode_tokens" in e for e in ents) else None
+        m["efficiency"] = efficiency(m["decode_speedup"], m["analytic_limit"])
         m["forward_times_s"] = dict(forward_times)
     return m
 
