@@ -22,16 +22,37 @@ import torch
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # specdec/
 
 
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; else what :mod:`platform` knows)."""
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's ``/proc/cpuinfo`` fields (empty where there is none)."""
+    out: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if not line.strip():
+                break
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and value.strip():
-                return value.strip()
+            out[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "unknown"
+    return out
+
+
+def cpu_model() -> str:
+    """The CPU's model name with its family and model numbers, which tell apart CPUs a VM names alike
+    (``AMD EPYC (family 25 model 17)``); else what :mod:`platform` knows."""
+    info = _cpuinfo()
+    name = info.get("model name") or platform.processor() or platform.machine() or "unknown"
+    if "cpu family" in info and "model" in info:
+        name += f" (family {info['cpu family']} model {info['model']})"
+    return name
+
+
+def cpu_isa() -> str | None:
+    """The widest x86 vector extensions the CPU has (the native kernels' speed turns on them)."""
+    flags = set(_cpuinfo().get("flags", "").split())
+    if not flags:
+        return None
+    found = [f for f in ("avx512f", "avx512_bf16", "avx2", "fma") if f in flags]
+    return " ".join(found) or "no AVX2"
 
 
 def git_commit(source: Path = PACKAGE_DIR) -> dict[str, Any] | None:
@@ -63,6 +84,7 @@ def machine_record(device: str = "cpu") -> dict[str, Any]:
         gpu = torch.cuda.get_device_name(torch.device(device))
     return {
         "cpu": cpu_model(),
+        "isa": cpu_isa(),
         "cores": os.cpu_count(),
         "os": platform.platform(),
         "python": platform.python_version(),
