@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from specdec.core.checkpoint import load_tokenizer
+from specdec.core.checkpoint import has_tokenizer, load_tokenizer
 from specdec.core.context import SamplingParams, TextContext
 from specdec.core.pipeline_model import (
     GenerationPipeline,
@@ -206,8 +206,7 @@ class LLM:
         self.pipeline = build_pipeline(target, self.method, self.runtime)
         cfg = self.pipeline.target.config  # type: ignore[attr-defined]
         self.eos_token_ids = tuple(cfg.eos_token_id)
-        tok_file = Path(target) / "tokenizer.json"
-        self.tokenizer = load_tokenizer(target, cfg.vocab_size) if tok_file.is_file() else None
+        self.tokenizer = load_tokenizer(target, cfg.vocab_size) if has_tokenizer(target) else None
 
     def __repr__(self) -> str:
         return f"LLM(target={str(self.target)!r}, method={self.method!r})"

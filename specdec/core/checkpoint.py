@@ -1,4 +1,5 @@
-"""Loading Hugging Face-format checkpoints: config.json, safetensors, tokenizer.json.
+"""Loading checkpoints: Hugging Face directories (config.json, safetensors, tokenizer.json)
+and single ``.gguf`` files (llama.cpp's format, through :mod:`specdec.core.gguf`).
 
 :func:`load_graph_api_module` constructs a registered module as
 ``module_cls(config)`` with no storage (``meta`` device), then fills it one
@@ -137,13 +138,14 @@ def check_sizes_backed(config: Any, path: Path) -> None:
         return
     need = need()
     try:
-        have = stored_elements(weight_files(path))
+        have = open_gguf(path).element_count() if is_gguf(path) else stored_elements(weight_files(path))
     except CheckpointError:
         return  # (the load names what is missing)
     if have is not None and need > have:
         sizes = ", ".join(f"{k}={getattr(config, k)}" for k in ("num_hidden_layers", "hidden_size",
                           "intermediate_size", "vocab_size") if isinstance(getattr(config, k, None), int))
-        raise CheckpointError(f"{path / 'config.json'}: its sizes ({sizes}) need at least {need:,} weights, but the "
+        where = path if is_gguf(path) else path / "config.json"
+        raise CheckpointError(f"{where}: its sizes ({sizes}) need at least {need:,} weights, but the "
                               f"checkpoint's files hold {have:,}: config.json does not describe these weights")
 
 
@@ -178,6 +180,30 @@ def load_state_dict_into(
     tensor's checkpoint dtype; otherwise cast to ``dtype`` (the declared one).
     ``index``: the sharded checkpoint's ``weight_map`` (see :func:`iter_tensors`).
     """
+    def entries() -> Iterator[tuple[str, Path, tuple[int, ...], str, bool, Callable[[], torch.Tensor]]]:
+        for name, file, handle in iter_tensors(files, index):
+            sl = handle.get_slice(name)
+            code = str(sl.get_dtype()).upper()
+            yield (name, file, tuple(sl.get_shape()), code, code in _FLOAT_CODES,
+                   lambda handle=handle, name=name, file=file: _get(handle, name, file))
+
+    fill_module(module, entries(), where=files[0].parent, strict=strict, dtype=dtype,
+                override_quantization_encoding=override_quantization_encoding, device=device)
+
+
+def fill_module(
+    module: nn.Module,
+    entries: Iterator[tuple[str, Path, tuple[int, ...], str, bool, Callable[[], torch.Tensor]]],
+    *,
+    where: Path,
+    strict: bool,
+    dtype: torch.dtype | None,
+    override_quantization_encoding: bool = False,
+    device: torch.device | str = "cpu",
+) -> None:
+    """Fills ``module`` from ``entries``: ``(name, file, shape, stored type, is_float, load)``
+    per stored tensor, ``load()`` reading it only when the module has a place of that
+    shape for it (see :func:`load_state_dict_into`; ``where`` names the checkpoint)."""
     params = dict(module.named_parameters())  # tied weights appear once
     tied_aliases = {n for n, _ in module.named_parameters(remove_duplicate=False)} - set(params)
     # Persistent buffers are weights too (an EAGLE-3 head's d2t / t2d vocabulary maps).
@@ -187,23 +213,20 @@ def load_state_dict_into(
     unexpected: list[str] = []
     misshaped: list[str] = []
     pending: dict[str, torch.Tensor] = {}
-    for name, file, handle in iter_tensors(files, index):
+    for name, file, shape, code, is_float, load in entries:
         if name not in params:
             if name not in tied_aliases:
                 unexpected.append(name)
             continue
         p = params[name]
-        sl = handle.get_slice(name)
-        shape = tuple(sl.get_shape())
         if shape != tuple(p.shape):
             misshaped.append(f"{name} (checkpoint {list(shape)}, model {list(p.shape)})")
             continue
-        code = str(sl.get_dtype()).upper()
-        if not override_quantization_encoding and p.is_floating_point() != (code in _FLOAT_CODES):
+        if not override_quantization_encoding and p.is_floating_point() != is_float:
             want = "floating-point" if p.is_floating_point() else f"{p.dtype} (integer)"
             raise CheckpointError(f"{file}: tensor {name!r} is stored as {code}; {type(module).__name__} needs "
                                   f"a {want} tensor there")
-        t = _get(handle, name, file)
+        t = load()
         if not override_quantization_encoding and dtype is not None and t.is_floating_point():
             t = t.to(dtype)  # (integer and boolean tables keep their type)
         pending[name] = t.to(device)
@@ -217,7 +240,6 @@ def load_state_dict_into(
     if unexpected and strict:
         problems.append("unexpected: " + _listed(sorted(unexpected)))
     if problems:
-        where = files[0].parent
         raise CheckpointError(f"checkpoint {str(where)!r} does not fit {type(module).__name__}: " + "; ".join(problems))
     # assign=True hands over the loaded tensors without another copy.
     module.load_state_dict(pending, strict=False, assign=True)
@@ -250,15 +272,15 @@ def load_graph_api_module(
     with torch.device("meta"):
         module = module_cls(config)
     declared = dtype or getattr(config, "dtype", None)
-    load_state_dict_into(
-        module,
-        weight_files(path),
-        strict=getattr(module_cls, "strict_state_dict_loading", True),
-        dtype=declared,
-        override_quantization_encoding=getattr(module_cls, "override_quantization_encoding", False),
-        device=device,
-        index=weight_map(path),
-    )
+    how = dict(strict=getattr(module_cls, "strict_state_dict_loading", True), dtype=declared,
+               override_quantization_encoding=getattr(module_cls, "override_quantization_encoding", False),
+               device=device)
+    if is_gguf(path):  # llama.cpp's names and quantized types, dequantized as read
+        g = open_gguf(path)
+        fill_module(module, ((n, g.path, shape, kind, True, load) for n, kind, shape, load in g.iter_tensors(config)),
+                    where=g.path, **how)
+    else:
+        load_state_dict_into(module, weight_files(path), index=weight_map(path), **how)
     # Buffers made on meta (e.g. lazily built rope tables) get real storage.
     for mod in module.modules():
         for bname, buf in list(mod._buffers.items()):
@@ -284,24 +306,29 @@ def load_decoder(
     tensor parallelism passes one that reads each rank's shard).
     """
     path = Path(path)
-    hf = read_hf_config(path)
+    gguf = is_gguf(path)
+    if gguf and build is not None:
+        raise CheckpointError(f"{path}: a GGUF file loads whole on one device; tensor parallelism needs the "
+                              "Hugging Face (safetensors) checkpoint")
+    hf = open_gguf(path).hf_config() if gguf else read_hf_config(path)
+    where = path if gguf else path / "config.json"
     archs = hf.get("architectures") or []
     if not archs:
-        raise CheckpointError(f"{path / 'config.json'} names no 'architectures'")
+        raise CheckpointError(f"{where} names no 'architectures'")
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
-        raise CheckpointError(f"{path / 'config.json'}: 'architectures' must be a list of class names, "
+        raise CheckpointError(f"{where}: 'architectures' must be a list of class names, "
                               f'e.g. ["LlamaForCausalLM"], got {json.dumps(archs)}')
     try:
         module_cls = lookup(archs[0], role)
     except KeyError as e:  # unknown architecture: name the file and the registered ones
-        raise CheckpointError(f"{path / 'config.json'}: {e.args[0]}") from None
+        raise CheckpointError(f"{where}: {e.args[0]}") from None
     config_cls = getattr(module_cls, "config_cls", None)
     if config_cls is None:
         raise CheckpointError(f"{module_cls.__name__} declares no config_cls")
     try:
         config = config_cls.from_dict(hf)
     except (ValueError, TypeError) as e:
-        raise CheckpointError(f"{path / 'config.json'}: {e}") from None
+        raise CheckpointError(f"{where}: {e}") from None
     check_sizes_backed(config, path)
     if check is not None:
         check(config)
@@ -309,20 +336,34 @@ def load_decoder(
     return LoadedDecoder(module=module, config=config, path=path)
 
 
+def has_tokenizer(path: str | Path) -> bool:
+    """Whether the checkpoint at ``path`` has a tokenizer: ``tokenizer.json``, or a GGUF
+    file's ``tokenizer.ggml.tokens``."""
+    return open_gguf(path).has_tokenizer() if is_gguf(path) else (Path(path) / "tokenizer.json").is_file()
+
+
 def load_tokenizer(path: str | Path, vocab_size: int | None = None) -> Any:
-    """``tokenizer.json`` through the ``tokenizers`` library; checks it fits the model."""
+    """``tokenizer.json`` through the ``tokenizers`` library (a GGUF file: built from its
+    metadata); checks it fits the model."""
     from tokenizers import Tokenizer
 
-    f = Path(path) / "tokenizer.json"
-    if not f.is_file():
-        raise CheckpointError(f"missing tokenizer.json in {str(Path(path))!r}")
-    try:
-        tok = Tokenizer.from_file(str(f))
-    except Exception as e:  # tokenizers raises plain Exception subclasses
-        raise CheckpointError(f"{f} could not be read: {e}") from None
+    if is_gguf(path):
+        f = Path(path)
+        tok = open_gguf(f).tokenizer()
+    else:
+        f = Path(path) / "tokenizer.json"
+        if not f.is_file():
+            raise CheckpointError(f"missing tokenizer.json in {str(Path(path))!r}")
+        try:
+            tok = Tokenizer.from_file(str(f))
+        except Exception as e:  # tokenizers raises plain Exception subclasses
+            raise CheckpointError(f"{f} could not be read: {e}") from None
     if vocab_size is not None and tok.get_vocab_size(with_added_tokens=True) > vocab_size:
         raise CheckpointError(
             f"tokenizer {f} has {tok.get_vocab_size(with_added_tokens=True)} tokens, "
             f"more than the model's vocab_size {vocab_size}"
         )
     return tok
+
+
+from specdec.core.gguf import is_gguf, open_gguf  # noqa: E402  (it imports CheckpointError from here)

@@ -212,7 +212,8 @@ def _read(path: Path) -> str:
 
 def load_chat_template(checkpoint: str | Path, *, time_limit_s: float = DEFAULT_CHAT_TIME_LIMIT_S,
                        max_chars: int = DEFAULT_CHAT_MAX_CHARS) -> ChatTemplate:
-    """The chat template of the checkpoint directory ``checkpoint``, each render bounded by
+    """The chat template of the checkpoint directory ``checkpoint`` (or GGUF file: its
+    ``tokenizer.chat_template``), each render bounded by
     ``time_limit_s`` and ``max_chars`` (``data.chat_time_limit_s``, ``data.chat_max_chars``).
 
     ``chat_template.jinja`` wins over ``tokenizer_config.json``'s
@@ -222,6 +223,8 @@ def load_chat_template(checkpoint: str | Path, *, time_limit_s: float = DEFAULT_
     """
     _check_limits(time_limit_s, max_chars)
     d = Path(checkpoint)
+    if d.suffix.lower() == ".gguf":
+        return _gguf_template(d, time_limit_s, max_chars)
     cfg_file = d / TOKENIZER_CONFIG
     cfg: dict[str, Any] = {}
     if cfg_file.is_file():
@@ -245,6 +248,23 @@ def load_chat_template(checkpoint: str | Path, *, time_limit_s: float = DEFAULT_
                                 f"{jinja_file}): set data.chat=false for a model without one")
     specials = {k: t for k, v in cfg.items() if k.endswith("_token") and (t := _token_text(v)) is not None}
     return ChatTemplate(source=source, template=_compile(text, source), special_tokens=specials,
+                        time_limit_s=time_limit_s, max_chars=max_chars)
+
+
+def _gguf_template(path: Path, time_limit_s: float, max_chars: int) -> ChatTemplate:
+    """The chat template of a GGUF file: its ``tokenizer.chat_template`` metadata."""
+    from specdec.core.checkpoint import CheckpointError
+    from specdec.core.gguf import open_gguf
+
+    try:
+        g = open_gguf(path)
+    except CheckpointError as e:
+        raise ChatTemplateError(str(e)) from None
+    text = g.chat_template()
+    if text is None:
+        raise ChatTemplateError(f"data.chat=true needs the target's chat template, but {path} has no "
+                                "'tokenizer.chat_template': set data.chat=false for a model without one")
+    return ChatTemplate(source=path, template=_compile(text, path), special_tokens=g.special_tokens(),
                         time_limit_s=time_limit_s, max_chars=max_chars)
 
 

@@ -357,7 +357,7 @@ def check_checkpoints(comps: Components) -> None:
         if getattr(m, "path", None):
             paths[f"method.{name}.path"] = m.path
     for key, p in paths.items():
-        if not Path(p).is_dir():
+        if not (Path(p).is_dir() or Path(p).suffix.lower() == ".gguf" and Path(p).is_file()):  # dir or GGUF file
             hint = (" (the built-in pair is made by `python experiments/train_zoo.py --out specdec/zoo`)"
                     if Path(p).parent == ZOO_DIR else "")
             raise ExperimentError(f"{key}: checkpoint directory {str(p)!r} does not exist{hint}")
