@@ -306,7 +306,7 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
         # Paired: each pass's eager time over its compiled time (the passes run side by side),
         # the median over passes; ``compile_graphs``: graphs Dynamo compiled for the whole
         # batch-1 run. 0 means compile=true ran the very code eager ran (a target whose
-        # layers are one C++ call is not compiled: LlamaDecoder.runs_natively), so both gains
+        # layers are one C++ call is not compiled: its backend is native), so both gains
         # are 1 up to the noise and which one is larger says nothing.
         for m in ("plain", "draft_model"):
             eager, compiled = timing.times[_ours(m, False)], timing.times[_ours(m, True)]

@@ -16,8 +16,7 @@ from __future__ import annotations
 import copy
 import functools
 import numbers
-import types
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -35,7 +34,13 @@ from specdec.core.checkpoint import LoadedDecoder, load_decoder
 from specdec.core.context import RequestFailure, TextContext
 from specdec.core.inputs import DecoderOutputs, ModelOutputs
 from specdec.core.kv_cache import BlockTable, KVCacheParams, PagedKVCache, available_memory, human_bytes
-from specdec.core.linear import KERNELS, pack_layers, register_compiled_lowering
+from specdec.core.backend import (  # (compile_*: also imported from here)
+    compile_decoder,  # noqa: F401
+    compile_function,  # noqa: F401
+    compile_method,  # noqa: F401
+    load_backend,
+)
+from specdec.core.linear import KERNELS, pack_layers
 from specdec.core.registry import BuildContext, Role
 from specdec.core.state_store import RequestStateStore
 from specdec.spec.metrics import RunStats
@@ -159,14 +164,13 @@ class DecoderPipelineModel:
         self.processor.state_store = store
 
     def _prepare(self, module: nn.Module) -> None:
-        """Inference rewrites, rope tables, compile: once per module, here only."""
+        """Inference rewrites, rope tables, packing, the backend: once per module, here only."""
         if hasattr(module, "prepare_for_inference"):
             module.prepare_for_inference()
         if hasattr(module, "ensure_rope"):
             module.ensure_rope(self._max_positions, self.runtime.device)
         pack_for_runtime(module, self.runtime)
-        if self.runtime.compile:
-            compile_decoder(module)
+        load_backend(module, compile=self.runtime.compile)  # native, compiled or eager: once, here
 
     def build_module(self) -> nn.Module:
         """The module a draft-and-verify module calls as its target.
@@ -386,74 +390,6 @@ def pack_for_runtime(module: nn.Module, runtime: RuntimeConfig) -> int:
     dtype allow (:mod:`specdec.core.linear`); the number packed (none for "aten"). After
     loading and ``prepare_for_inference``, before compiling."""
     return 0 if runtime.cpu_linear == "aten" else pack_layers(module, runtime.cpu_linear)
-
-
-def compile_decoder(module: nn.Module) -> None:
-    """``torch.compile`` in place, shapes dynamic (one graph serves every batch
-    and context length; sizes 0/1 get their own). Weights and ``state_dict``
-    are untouched. On CPU the gain comes from fusing the many small ops of a
-    small model; the first call of each shape kind pays the compile.
-
-    On CPU the graph runs through Inductor's C++ wrapper (``cpp_wrapper``):
-    the generated code that calls each fused kernel and matmul is C++, not
-    Python. A small model's compiled forward is mostly those calls; on the
-    built-in target the bare one-token forward took 2.15 ms instead of 2.63
-    (5 tokens: 3.07 instead of 3.74) for about 1.7x the compile time."""
-    import torch._dynamo
-
-    if getattr(module, "runs_natively", False):
-        # Its forward is one C++ call already (LlamaDecoder on our CPU kernels): Dynamo would
-        # only add its guards and wrappers around that call (the built-in target's one-token
-        # forward, 2-core Zen 1: 2.65 ms compiled through Inductor, 1.7-1.8 as one C++ call).
-        return
-    # A graph per shape kind (decode, verify, prefill; one request or many; ...): past the
-    # default limit of 8, later shapes would silently run eager.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    register_compiled_lowering()
-    on_cpu = all(p.device.type == "cpu" for p in module.parameters())
-    module.forward = _own_compiled(module, type(module).forward, _compile_options(on_cpu))
-
-
-def _own_compiled(module: nn.Module, fn: Callable[..., Any], options: dict[str, Any] | None) -> Callable[..., Any]:
-    """``fn`` (``module``'s class's ``forward``, or another function taking ``module``
-    first) compiled as ``module``'s bound method, with a cache of graphs and guards of its own.
-
-    Dynamo keeps its compiled graphs per code object, each behind guards that a call
-    checks in turn until one holds. Every decoder of a class shares ``forward``'s code,
-    so the target's and the drafter's graphs (and every pipeline's in one process: 12 in
-    a benchmark sweep) sat in one list, told apart by guards on each module's attributes
-    and on every weight tensor: on the built-in target a graph's guards took 67 us to
-    pass (a compiled one-token forward is about 1 ms), and a call walked past other
-    modules' graphs first. So each module compiles a copy of ``forward``'s code (its own
-    list: its own shape kinds only), and its guards leave out the module's own attributes
-    (``skip_guard_on_all_nn_modules_unsafe``): nothing changes a decoder after it is
-    prepared (weights packed, rope tables built, then compiled), and a module's graphs
-    serve that module alone. Guards on the inputs (shapes, the cache) stay."""
-    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    own.__qualname__, own.__doc__ = fn.__qualname__, fn.__doc__
-    opts = dict(options or {}, guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe)
-    return torch.compile(types.MethodType(own, module), dynamic=True, options=opts)
-
-
-def _compile_options(on_cpu: bool) -> dict[str, Any] | None:
-    return {"cpp_wrapper": True} if on_cpu else None
-
-
-def compile_function(fn: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
-    """``fn`` under ``torch.compile`` as :func:`compile_decoder` compiles a decoder (shapes
-    dynamic, Inductor's C++ wrapper on CPU). A decoder called inside ``fn`` is traced
-    into ``fn``'s graph: several forwards become one call."""
-    register_compiled_lowering()
-    return torch.compile(fn, dynamic=True, options=_compile_options(device.type == "cpu"))
-
-
-def compile_method(module: nn.Module, fn: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
-    """``fn`` (a function taking ``module`` first) as ``module``'s bound method under
-    ``torch.compile``, as :func:`compile_function`, but with graphs and guards of its own
-    (as a compiled decoder's ``forward``, :func:`_own_compiled`): each instance's calls
-    check its own graphs only, and no guard walks the modules' weights."""
-    register_compiled_lowering()
-    return _own_compiled(module, fn, _compile_options(device.type == "cpu"))
 
 
 def keep_large_allocations() -> bool:

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from specdec.core.backend import forward_checking_rows
 from specdec.core.inputs import DecoderInputs
 from specdec.core.linear import Linear
 from specdec.core.registry import DecoderModule, Role, register
@@ -263,13 +264,13 @@ class EagleHead(RopeTables, DecoderModule):
         feature [T, H] -> (h [N, H], target-vocabulary logits [N, V]) at ``logit_index``."""
         assert inputs.kv_cache is not None, "DecoderInputs.kv_cache is required"
         cos, sin = self.rope_for(inputs.positions)
-        check = feature.device.type == "cpu" and not torch.compiler.is_compiling()
-        attend = paged_attend(inputs, inputs.kv_cache, None, isolate_rows=not check, kernel=self.attention_kernel)
-        h = self.step(inputs.tokens, feature, cos, sin, attend)
-        if check and attend.rows_meet and not bool(torch.isfinite(h.sum())):  # see LlamaDecoder.forward
-            attend = paged_attend(inputs, inputs.kv_cache, None, kernel=self.attention_kernel)
+
+        def run(isolate: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
+            attend = paged_attend(inputs, inputs.kv_cache, None, isolate_rows=isolate, kernel=self.attention_kernel)
             h = self.step(inputs.tokens, feature, cos, sin, attend)
-        h = h[inputs.logit_index]
+            return h, h, attend.rows_meet
+
+        h = forward_checking_rows(run, feature.device)[inputs.logit_index]
         return h, self.target_logits(h)
 
     def forward_dense(self, tokens: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:

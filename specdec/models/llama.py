@@ -7,8 +7,8 @@ Two ways to run it:
 
 - :meth:`LlamaDecoder.forward` — a packed ragged batch with a paged KV cache
   (prefill and decode alike; see :mod:`specdec.core.inputs`). On our float32
-  CPU kernels it is one C++ call (``specdec_cpu::decoder_forward``) with the
-  eager Python forward's bits; elsewhere the Python below runs;
+  CPU kernels its backend is native (:mod:`specdec.core.backend`): one C++ call
+  with the eager Python forward's bits; elsewhere the Python below runs;
 - :meth:`LlamaDecoder.forward_dense` — ``[batch, seq]`` tokens, causal, no
   cache: for training and for quick checks.
 """
@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.core.backend import backend_of, forget_backend, forward_checking_rows
 from specdec.core.inputs import DecoderInputs, DecoderOutputs, KVCacheTensors, MaskKind
 from specdec.core.linear import Linear, RMSNorm
 from specdec.core.registry import DecoderModule, Role, register
@@ -59,7 +60,7 @@ class PagedAttend:
     pass over the gathered keys and values. That per-row hiding
     (``isolate_rows``) is the costly part (about 15% of a verification forward
     on CPU), so an eager CPU forward runs without it and again with it only
-    when some row went non-finite (see ``LlamaDecoder.forward``).
+    when some row went non-finite (``backend.forward_checking_rows``).
 
     Two kernels attend. SDPA over gathered copies of the keys and values, or,
     with ``kernel="specdec"`` on a float32 CPU cache (head_dim a multiple of
@@ -206,35 +207,6 @@ class GroupedAttend:
             outs.append(g(layer, q[start : start + n], k[start : start + n], v[start : start + n]))
             start = start + n
         return torch.cat(outs)
-
-
-def _native_forward(module: LlamaDecoder, inputs: DecoderInputs, groups: list[PagedAttend],
-                    rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """:meth:`LlamaDecoder.forward`'s eager work as one ``specdec_cpu::decoder_forward`` call
-    (``specdec/core/kernels/cpu.cpp``): embedding, rope rows, each layer's norms,
-    projections, rope, cache writes, attention over ``groups`` and residuals, the final
-    norm and the head, in the eager forward's order -> (h [T, d], h at the logit rows
-    [N, d], logits [N, V], the captured layers' inputs)."""
-    const = module._native_weights()  # (embed, weights, biases, dims, eps, final norm, head, vocab, scale)
-    assert const is not None
-    cache = groups[0].cache
-    if len(groups) == 1:  # (most steps: the lists without a loop)
-        g = groups[0]
-        per = ([g.inputs.slot_mapping], [g.slots], [g.mask], [int(g.causal), int(g.single)], [g.inputs.q_index],
-               [g.inputs.out_index], [g.inputs.positions.shape[0]])
-    else:
-        per = ([g.inputs.slot_mapping for g in groups], [g.slots for g in groups], [g.mask for g in groups],
-               [f for g in groups for f in (int(g.causal), int(g.single))], [g.inputs.q_index for g in groups],
-               [g.inputs.out_index for g in groups], [g.inputs.positions.shape[0] for g in groups])
-    h, hl, logits, seen = torch.ops.specdec_cpu.decoder_forward.default(
-        inputs.tokens, inputs.positions, cache.k, cache.v, inputs.logit_index, *per, list(inputs.capture_layers),
-        rows, module.rope_cos, module.rope_sin, *const)
-    return h, hl, logits, list(seen)
-
-
-# Traced (a compiled graph around a decoder's call), the call runs as it is, between two graphs:
-# the same bits as eager, never a traced copy of the forward.
-_native_forward_traced = torch.compiler.disable(_native_forward)
 
 
 def paged_attend(inputs: DecoderInputs, cache: KVCacheTensors, window: int | None,
@@ -442,25 +414,16 @@ class LlamaDecoder(RopeTables, DecoderModule):
                 x = layer(x, cos, sin, attend)
         return self.model.norm(x), [h for h in seen if h is not None]
 
-    @property
-    def runs_natively(self) -> bool:
-        """Whether its forward runs as one C++ call (``specdec_cpu::decoder_forward``; see
-        :meth:`forward`). Compiling such a module buys nothing (``compile_decoder`` leaves it
-        be), and a compiled graph around its calls would only break at that call."""
-        return self._native_weights() is not None
-
     def after_pack(self) -> None:
-        """Called by ``pack_layers``: what :meth:`_native_weights` gathered is stale."""
-        self._native = None
+        """Called by ``pack_layers``: the backend chosen for the old weights is stale."""
+        forget_backend(self)
 
-    def _native_weights(self) -> tuple[Any, ...] | None:
+    def native_operands(self) -> tuple[Any, ...] | None:
         """The module's operands of ``specdec_cpu::decoder_forward`` (embedding, weights,
-        biases, dims, eps, final norm, head, its bias, vocabulary, attention scale), gathered
-        once after packing; None where it does not serve this module: a layer or
-        the head not packed for our kernels (or not fused), Qwen3's q/k norms, tensor
-        parallelism (its embedding, head and sums are not ours)."""
-        if getattr(self, "_native", None) is not None:
-            return self._native or None
+        biases, dims, eps, final norm, head, its bias, vocabulary, attention scale), for
+        :mod:`specdec.core.backend` to gather once after packing; None where it does not
+        serve this module: a layer or the head not packed for our kernels (or not fused),
+        Qwen3's q/k norms, tensor parallelism (its embedding, head and sums are not ours)."""
         weights: list[torch.Tensor] = []
         biases: list[torch.Tensor | None] = []
         eps = {self.model.norm.eps}
@@ -485,52 +448,46 @@ class LlamaDecoder(RopeTables, DecoderModule):
         ok = ok and a0 is not None and len(eps) == 1
         if ok:
             dims = [a0.n_heads, a0.n_kv, a0.head_dim, self.config.intermediate_size, len(self.model.layers)]
-            self._native = (embed.weight, weights, biases, dims, eps.pop(), self.model.norm.weight,
-                            self.lm_head.packed, self.lm_head.bias, self.lm_head.out_features, a0.head_dim ** -0.5)
-        else:
-            self._native = ()
-        return self._native or None
+            return (embed.weight, weights, biases, dims, eps.pop(), self.model.norm.weight,
+                    self.lm_head.packed, self.lm_head.bias, self.lm_head.out_features, a0.head_dim ** -0.5)
+        return None
 
     def _native_groups(self, attend: Attend) -> list[PagedAttend] | None:
-        """The attention groups :meth:`forward` hands to the C++ forward, or None where the
-        Python runs: no packed weights, gradients, another attention, a rope table not built
-        yet, or a forward that hides each row's non-finite new keys (PagedAttend._hide reads
-        them between layers)."""
+        """The attention groups :meth:`forward` hands to a native backend's one call, or
+        None where the Python runs this call: gradients, another attention, a rope table not
+        built yet, or a forward that hides each row's non-finite new keys (PagedAttend._hide
+        reads them between layers)."""
         if torch.is_grad_enabled() or not self._rope_len:
             return None
         groups = attend.groups if isinstance(attend, GroupedAttend) else [attend]
         if not all(isinstance(g, PagedAttend) and g.own_kernel and not (g.isolate_rows and g.rows_meet)
                    for g in groups):
             return None
-        return groups if self._native_weights() is not None else None
+        return groups
 
     def forward(self, inputs: DecoderInputs) -> DecoderOutputs:
         """Packed ragged forward over the paged cache in ``inputs.kv_cache``.
 
-        On our CPU kernels (float32, packed by ``pack_layers``) the whole forward is one C++
-        call (:func:`_native_forward`) computing what the Python below computes, bit for bit."""
+        On our CPU kernels (float32, packed by ``pack_layers``) its backend is native: the
+        whole forward is one C++ call computing what the Python below computes, bit for bit.
+        Each row's non-finite new keys are hidden from the rows before it as
+        :func:`~specdec.core.backend.forward_checking_rows` decides."""
         assert inputs.kv_cache is not None, "DecoderInputs.kv_cache is required"
-        # Hiding each row's non-finite new keys from the rows before it (PagedAttend)
-        # is costly on a CPU, so there an eager forward runs without it, and runs
-        # again with it only if some row went non-finite: a residual stream that
-        # went NaN or inf stays so to the last layer, so the final states tell.
-        check = inputs.tokens.device.type == "cpu" and not torch.compiler.is_compiling()
-        attend = paged_attend(inputs, inputs.kv_cache, self.config.sliding_window,
-                              isolate_rows=inputs.isolate_rows and not check, kernel=self.attention_kernel)
+        backend = backend_of(self)
         rows = None if inputs.all_hidden else inputs.logit_index  # where captured layers are kept
-        groups = self._native_groups(attend)
-        hl = logits = None
-        if groups is not None:
-            run = _native_forward_traced if torch.compiler.is_compiling() else _native_forward
-            h, hl, logits, aux = run(self, inputs, groups, rows)
-        else:
-            x, cos, sin = self._embed(inputs)
-            h, aux = self._layers(x, cos, sin, attend, inputs.capture_layers, rows)
-        if check and attend.rows_meet and not bool(torch.isfinite(h.sum())):
-            x, cos, sin = self._embed(inputs)
-            attend = paged_attend(inputs, inputs.kv_cache, self.config.sliding_window, kernel=self.attention_kernel)
-            h, aux = self._layers(x, cos, sin, attend, inputs.capture_layers, rows)
-            hl = logits = None
+
+        def run(isolate: bool) -> tuple[tuple[Any, ...], torch.Tensor, bool]:
+            attend = paged_attend(inputs, inputs.kv_cache, self.config.sliding_window, isolate_rows=isolate,
+                                  kernel=self.attention_kernel)
+            groups = self._native_groups(attend)
+            out = backend.stack(inputs, groups, rows) if groups is not None else None
+            if out is None:
+                x, cos, sin = self._embed(inputs)
+                h, aux = self._layers(x, cos, sin, attend, inputs.capture_layers, rows)
+                out = (h, None, None, aux)
+            return out, out[0], attend.rows_meet
+
+        h, hl, logits, aux = forward_checking_rows(run, inputs.tokens.device, inputs.isolate_rows)
         aux_t = torch.cat(aux, dim=-1) if aux else None
         if hl is None or logits is None:
             hl = h[inputs.logit_index]  # [N, d]

@@ -15,6 +15,7 @@ import dataclasses
 import pytest
 import torch
 
+from specdec.core.backend import backend_of, load_backend
 from specdec.core.batch_processor import _pack
 from specdec.core.inputs import KVCacheTensors
 from specdec.core.kernels import cpu_kernels_available
@@ -43,7 +44,7 @@ def _decoder(**kw: object) -> LlamaDecoder:
 
 def _run(model: LlamaDecoder, native: bool, steps: list, cache: KVCacheTensors, **fields: object) -> list:
     """Every step's outputs, with the C++ stack (``native``) or the Python loop."""
-    model._native = None if native else ()  # () : _native_weights serves nothing -> the loop
+    assert load_backend(model, native=native).kind == ("native" if native else "eager")
     outs = []
     with torch.inference_mode():
         for toks, starts, lens, extra in steps:
@@ -56,7 +57,6 @@ def _run(model: LlamaDecoder, native: bool, steps: list, cache: KVCacheTensors, 
                 inputs.attention_groups = None
             o = model(inputs)
             outs.append((o.logits, o.hidden_states, o.aux_hidden_states, o.row_hidden_states))
-    model._native = None
     return outs
 
 
@@ -116,13 +116,17 @@ def test_a_token_tree_step_has_the_same_bits():
 
 
 def test_it_stands_aside_where_it_cannot_serve(monkeypatch: pytest.MonkeyPatch):
-    import specdec.models.llama as llama
-
     calls = []
-    real = llama._native_forward
-    monkeypatch.setattr(llama, "_native_forward", lambda *a: calls.append(1) or real(*a))
     model = _decoder()
-    assert _decoder(qk_norm=True)._native_weights() is None  # Qwen3's q/k norms: the loop
+    backend = backend_of(model)
+    assert backend.kind == "native" and not backend.compile_around
+    assert load_backend(model, compile=True) is not backend  # chosen afresh, and still native: not compiled
+    backend = backend_of(model)
+    assert backend.kind == "native" and "forward" not in vars(model)
+    real = backend.stack
+    monkeypatch.setattr(backend, "stack", lambda *a: calls.append(1) or real(*a))
+    qwen3 = backend_of(_decoder(qk_norm=True))  # Qwen3's q/k norms: the loop
+    assert qwen3.kind == "eager" and qwen3.draft_chain is None and qwen3.compile_around
     inputs, _ = _pack(PROMPTS[0], [0], [9], TABLES[:1], BLOCK, 1, [0])
     shape = (3, 18 * BLOCK, 2, 16)
     inputs.kv_cache = KVCacheTensors(k=torch.zeros(shape), v=torch.zeros(shape))
@@ -149,7 +153,6 @@ def test_the_draft_steps_give_the_python_chain_s_drafts_and_cache_writes():
     from specdec.spec.proposers.draft_model import _one_token_step
 
     model = _decoder()
-    const = model._native_weights()
     shape = (model.num_layers, 18 * BLOCK, 2, 16)
     g = torch.Generator().manual_seed(2)
     caches = [KVCacheTensors(k=torch.randn(shape, generator=g), v=torch.randn(shape, generator=g))]
@@ -166,9 +169,10 @@ def test_the_draft_steps_give_the_python_chain_s_drafts_and_cache_writes():
             inputs.kv_cache = cache
             logits.append(model(inputs).logits)
         assert torch.equal(logits[0], logits[1])
-        native = torch.ops.specdec_cpu.decoder_steps.default(logits[0], positions, step_slots, gather, caches[0].k,
-                                                             caches[0].v, model.rope_cos, model.rope_sin, *const)
-        model._native = ()  # the Python loop, as _chain_steps runs it
+        chain = backend_of(model).draft_chain
+        assert chain is not None
+        native = chain(logits[0], positions, step_slots, gather, caches[0])
+        load_backend(model, native=False)  # the Python loop, as _chain_steps runs it
         lg, toks = logits[1], []
         one = torch.arange(1)
         for j in range(steps + 1):
@@ -177,6 +181,5 @@ def test_the_draft_steps_give_the_python_chain_s_drafts_and_cache_writes():
                 step = _one_token_step(toks[-1], positions[j], step_slots[j], gather[:, : len(prompt) + j + 1],
                                        caches[1], one, one.clone(), one.view(1, 1))
                 lg = model(step).logits
-        model._native = None
     assert torch.equal(native, torch.stack(toks, dim=1)), (native, toks)
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
