@@ -6,89 +6,51 @@ expected tokens per second for the batch at hand:
     E[tokens](γ) = Σ_r (1 - a_r^(γ+1)) / (1 - a_r)      # a_r: request r's running acceptance
     cost(γ)      = T_target(B, γ+1) + γ · T_draft(B)    # specdec.spec.cost.step_cost
 
-``T_target(B, n)`` is a forward of ``B`` requests feeding ``n`` tokens each (measured at
-``n`` = 1, 2 and γ + 1: a step from 1 to 2, then about linear, :class:`TargetCost`) and
-``T_draft(B)`` one drafting forward of ``B`` requests (at the method's full γ, what
-a draft costs there: a compiled drafter runs those steps as one graph), both timed as they run:
-``B`` contexts read, not one request of ``B · n`` tokens (which underrated a
-batch-64 step enough that speculation switched on there and lost 9%).
-γ = 0 is plain decoding (B tokens for T_target(B, 1)), so speculation is turned
-off where it cannot pay: large batches (the target is compute-bound and
-verifying γ+1 tokens per request costs nearly γ+1 times more) or low
-acceptance. ``a_r`` is the request's acceptance per draft so far, accepted /
-tried: a step that accepts ``k`` of its γ drafts tried ``k + 1`` of them (the
-first rejected one), or ``γ`` if all were accepted, so the estimate is the
-maximum-likelihood one of the geometric model above. (Accepted / proposed
-is biased low: at a = 0.85 and γ = 4 it reads 0.68, and the policy then
-drafts too little.) It has a prior worth ``prior_weight`` drafts: the
-drafter's acceptance over every request the pipeline has verified (itself
-starting from ``prior_accept``). Forward times come from a short
-calibration on first use, interpolated linearly between measured points.
+``T_target(B, n)`` is a forward of ``B`` requests feeding ``n`` tokens each
+(:class:`TargetCost`) and ``T_draft(B)`` one drafting forward of ``B`` requests, both
+timed as they run (``B`` contexts read, not one request of ``B · n`` tokens), from a
+short calibration on first use. γ = 0 is plain decoding, so speculation is turned
+off where it cannot pay: large batches (a compute-bound target verifies γ+1 tokens
+for nearly γ+1 times the cost) or low acceptance.
 
-Exploration: the estimate must come from the drafter, not from the prior. A
-prior that is too low picks γ = 0, and a pipeline that never drafts never
-learns better (on the built-in pair, compiled, the prior 0.6 predicted no
-gain for a drafter that accepts 0.8 and doubles nothing: speculation stayed
-off and ran 5% *slower* than plain decoding). So until ``explore_tokens``
-drafts have been verified, pipeline-wide, a step the model would run plain
-drafts the method's γ instead (:func:`explore`). That is once per pipeline,
-not per request: a few steps at most. It must also be long enough: a plain
-step adds no evidence, and at batch 1 every new request starts from the same
-pipeline-wide estimate, so exploration that ends on a low one turns
-speculation off for the rest of the run. 32 drafts left it ±0.09 (one
-standard error at 0.5), and an n-gram drafter's first drafts in a request are
-its worst (the prompt is all it can match): on the built-in pair its first 25
-accepted 12 (0.48), its first 2,429 accepted 1,745 (0.72). Hence 128.
+``a_r`` is accepted / tried: a step that accepts ``k`` of its γ drafts tried
+``k + 1`` (up to the first rejected one), or γ if all were accepted — the
+maximum-likelihood estimate of the geometric model above (accepted / proposed
+reads low and drafts too little). Its prior, worth ``prior_weight`` drafts, is the
+drafter's acceptance over every request so far (itself from ``prior_accept``).
 
-Measured step times (:class:`StepTimes`): the cost model above counts forwards only.
-A drafting step also packs drafts, verifies, syncs and commits (about 1.3 ms a step
-on the built-in pair, compiled, at batch 4, beside a 3.7 ms forward), and an n-gram
-step verifies only the drafts its lookups found. So once a batch size has run both
-plain steps and steps at some γ, the ratio of their median measured times replaces
-the model's cost ratio for that γ there. Logged on the built-in pair, compiled, at
-batch 4: γ = 1 steps of the n-gram took 5.24 ms against 3.22 ms for plain steps
-(1.63x) where the forwards alone predicted about 1.3x; its γ = 1 steps there lost,
-and the sweep's n-gram ran at 0.93 of plain decoding.
+Exploration: a prior that is too low picks γ = 0, and a pipeline that never drafts
+never learns better. So until ``explore_tokens`` drafts have been verified,
+pipeline-wide, a step the model would run plain drafts the method's γ instead
+(:meth:`GammaPolicyConfig.explore`); long enough that the estimate it ends on is
+the drafter's, not the noise of its first (worst) drafts.
 
-Tried on 2026-12-06 and not kept (built-in pair, compiled, 2-core AMD EPYC Zen 1, 32
-requests x 32 tokens at batch 4, half of each pass their prefills): the n-gram's γ = 1
-steps emitted 5.77 tokens for 4 requests where the model expected 6.22 (its first draft
-is its least likely: one acceptance rate for every position overrates γ = 1), at 1.46x a
-plain step: break-even (0.79 against 0.80 tokens per ms). Scaling the expected tokens by
-what measured steps at (B, γ) emitted over what the model expected of them turned that γ
-off, but cut the n-gram at batch 1 from 1.31x to 1.06x plain (the same sweep before and
-after; its A/A 0.99 in both): only requests rated high enough were measured (their
-estimates err high), the scale fell, more requests went plain and, drafting nothing,
-never showed better. Per-position acceptance (pipeline-wide rates for the first, second,
-... draft) would fix the model without that loop; not built.
-Neither plain prefill steps (no drafts in a step with a new prompt) nor ``min_gain`` 0.10
-or 0.15 moved batch 4 past the noise: every variant read 0.97-0.99 of plain there, an
-A/A run of plain against plain 0.98-1.00 in the same passes.
-With the native forward (2026-12-07: a one-token forward 1.6-1.8 ms, the A/A 0.995-1.004)
-the loss at batch 4 is real: compare_hf's sweep, batch 1 then 4 (32 requests x 32 tokens,
-11 passes), read the n-gram at 0.966 with ``min_gain`` 0.05, and 0.992 with 0.15 — but
-0.15 cost the draft model at batch 1 all its gain (1.165 -> 0.987: its prior predicts +5%,
-so it never speculated and never learnt better), as noted above. Not changed.
-Later that day, the same sweep with the steps that carry a prompt at batch > 1 run plain
-(requests that accept a draft there fall out of step, and each pass ends on part-full
-batches): the n-gram at batch 4 read 0.986 against 0.976 before, the A/A 1.003-1.004.
-Built (``SpecDecodePipelineModel._spec_step``; drafters that draft after verifying are
-left as they were, unmeasured). The rest of the loss, about 1.4%, was the pipeline's own
-work in its plain steps (the draft model, plain in every batch-4 step, read 0.984-0.986);
-leaner plain steps cut its host time over plain decoding's from about 26 to 23 ms a pass
-of 32 requests x 32 tokens (2.2-2.4 s), and two full sweeps then read 0.988-1.001 for
-both methods at batch 4-64.
+Measured step times (:class:`StepTimes`): the cost model counts forwards only; a
+drafting step also packs, verifies, syncs and commits. Once a batch size has run
+both plain steps and steps at some γ, the ratio of their median times replaces the
+model's cost ratio for that γ there.
+
+At batch > 1 a step that carries prompt rows decodes plain: drafting there throws
+the requests out of step with each other, and the run ends in part-full batches.
+(Measurements behind these choices: results/history.md.)
 """
 
 from __future__ import annotations
 
 import bisect
+import operator
 import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from specdec.spec.cost import step_cost
+
+if TYPE_CHECKING:  # (this module loads no torch)
+    from specdec.core.context import TextContext
+    from specdec.core.pipeline_model import DecoderPipelineModel
+    from specdec.spec.proposers.base import Proposer
 
 
 @dataclass(frozen=True)
@@ -98,8 +60,7 @@ class GammaPolicyConfig:
     prior_weight: float = 4.0
     # Speculate only when the model predicts at least this much gain over plain
     # decoding: the cost model leaves out host work (packing, lookups), so a
-    # predicted 2% gain is noise. (15% was tried: at batch 1 a good drafter's
-    # prior prediction, +5%, then never speculated and never learnt better.)
+    # predicted 2% gain is noise; much more and a good drafter's prior never speculates.
     min_gain: float = 0.05
     # Drafts verified (pipeline-wide) before the model may turn speculation off (see module doc).
     explore_tokens: int = 128
@@ -153,10 +114,7 @@ class TargetCost:
     decode (one query each, attention without a mask); from two on it attends under a
     mask (a step up at any batch; hiding rows from each other's non-finite keys is not
     it: compiled without that, the times did not move), and then each token costs about
-    the same.
-    On the built-in target, compiled, at context 128 (ms, n = 1 / 2 / 5): batch 1 1.32 /
-    1.87 / 2.24, batch 4 2.10 / 2.93 / 4.37, batch 16 5.4 / 8.7 / 13.9. A line from n = 1 to
-    n = 5 put T(16, 2) at 7.5, and adaptive γ's γ = 1 steps then lost."""
+    the same (a line from n = 1 put T(B, 2) too low, and γ = 1 steps then lost)."""
 
     def __init__(self, one: CostCurve, two: CostCurve, most: CostCurve, max_n: int) -> None:
         self.one, self.two, self.most, self.max_n = one, two, most, max_n
@@ -166,12 +124,10 @@ class TargetCost:
                 rounds: int = 1) -> TargetCost:
         """``measure(B, n)`` at every batch point, for ``n`` = 1, 2 and ``max_n``, by turns:
         ``rounds`` rounds of one call per ``n`` at a batch point, each ``n``'s least time kept.
-        Adaptive γ decides on the *ratios* T(B, n) / T(B, 1), and this machine's speed moves by
-        half within a minute (the built-in target's bare T(1, 1), least of 15, read 1.46 ms and
-        2.32 ms a few seconds apart, 0.89 ms later). Timed one curve after another, a slow spell
-        over one curve skewed the ratios: T(1, 5) / T(1, 1) read 1.43 in one pipeline and 2.2 in
-        the next, built a minute apart. By turns, a spell that covers fewer than ``rounds``
-        calls leaves each ``n`` a call outside it."""
+        Adaptive γ decides on the *ratios* T(B, n) / T(B, 1), and a shared machine's speed
+        moves within a minute: timed one curve after another, a slow spell over one curve
+        skews them. By turns, a spell that covers fewer than ``rounds`` calls leaves each
+        ``n`` a call outside it."""
         ns = sorted({1, min(2, max_n), max_n})
         least: dict[tuple[int, int], float] = {}
         for b in sorted(set(batch_points)):
@@ -225,6 +181,10 @@ class StepTimes:
             times = self._times.get(key)
             self._medians[key] = statistics.median(times) if times and len(times) >= self.min_steps else None
         return self._medians[key]
+
+    def counts(self) -> dict[tuple[int, int], int]:
+        """Steps held, by ``(batch size, γ)``."""
+        return {key: len(times) for key, times in self._times.items()}
 
     def ratio(self, batch: int, gamma: int) -> float | None:
         plain = self.median(batch, 0)
@@ -286,3 +246,111 @@ def choose_gamma(
         if rate > best_rate:
             best, best_rate = g, rate
     return best if best_rate >= plain * (1 + min_gain) else 0
+
+
+class AdaptiveGamma:
+    """Adaptive γ for one pipeline: what it has learnt and measured, and the step's choice.
+
+    ``choose(batch, gammas, prefilling)`` picks the step's γ; ``record(key, accepted,
+    tried)`` feeds back what a request's step verified; ``forget(key)`` drops a finished
+    request; ``record_step(batch_size, seconds)`` times a decode step at the γ chosen
+    (:class:`StepTimes`). ``curves`` (T_target, T_draft) are calibrated on first use
+    (:meth:`calibrate`); set them to model a machine."""
+
+    def __init__(self, policy: GammaPolicyConfig, max_gamma: int, *, target: DecoderPipelineModel,
+                 proposer: Proposer, measure_steps: bool = True) -> None:
+        self.policy, self.max_gamma = policy, max_gamma
+        self.target, self.proposer = target, proposer
+        self.running: dict[int, list[int]] = {}  # [accepted, tried] per live request (TextContext.key)
+        self.drafter = [0, 0]  # the same over every request so far (the prior)
+        self.curves: tuple[TargetCost, CostCurve] | None = None
+        self.catch_up: CostCurve | None = None  # seconds for the drafter to read n unseen tokens
+        self.fused: tuple[int, CostCurve] | None = None  # (method γ, T_draft(B) there) when it differs
+        self.step_times = StepTimes() if measure_steps else None
+        self.step_gamma = 0  # the γ chosen for the step under way
+        self._plain_for: tuple[list[TextContext], tuple[int, ...]] | None = None  # see still_plain
+
+    def still_plain(self, batch: Sequence[TextContext]) -> bool:
+        """Whether the model chose plain decoding for this very batch (the same request
+        objects) and nothing it read has changed since. A step that drafts nothing changes
+        no acceptance and only makes speculation costlier (more catch-up, fewer tokens
+        left), and each request's γ cap only shrinks: the model need not run again."""
+        last = self._plain_for
+        return (last is not None and len(last[0]) == len(batch) and all(map(operator.is_, last[0], batch))
+                and last[1] == tuple(self.drafter))
+
+    def choose(self, batch: Sequence[TextContext], gammas: Sequence[int], prefilling: bool) -> int:
+        """The step's γ for ``batch`` (``gammas``: each request's cap; ``prefilling``: the
+        step carries prompt rows): 0 is plain decoding."""
+        mixed = prefilling and len(batch) > 1 and not self.proposer.drafts_after_verify
+        self.step_gamma = 0 if mixed else self._model(batch, gammas)
+        return self.step_gamma
+
+    def _model(self, batch: Sequence[TextContext], gammas: Sequence[int]) -> int:
+        pol = self.policy
+        seen = tuple(self.drafter)
+        if self.still_plain(batch):
+            return 0
+        accept = [pol.acceptance(tuple(self.running.get(c.key, (0, 0))), seen) for c in batch]
+        tt, td = self.calibrate()
+        # Unseen tokens past a step's own catch-up (γ + 1 at most) are a one-time cost.
+        catch_up = 0.0
+        if self.catch_up is not None and self.catch_up.times[-1] > 0:
+            extra = sum(u for u in map(self.proposer.unseen_tokens, batch) if u > max(gammas) + 1)
+            catch_up = self.catch_up(extra) if extra else 0.0
+        remaining = sum(max(1, c.sampling.max_new_tokens - c.num_generated) for c in batch)
+        g = choose_gamma(accept, max(gammas), tt, td, pol.min_gain, catch_up_s=catch_up, remaining_tokens=remaining,
+                         fused=self.fused, measured=self.step_times.ratio if self.step_times else None)
+        g = pol.explore(g, max(gammas), seen[1])
+        self._plain_for = (list(batch), seen) if g == 0 else None
+        return g
+
+    def record(self, key: int, accepted: int, tried: int) -> None:
+        """A request's step verified ``tried`` drafts (up to the first rejected one) and accepted ``accepted``."""
+        running = self.running.get(key)
+        if running is None:
+            running = self.running[key] = [0, 0]
+        running[0] += accepted
+        running[1] += tried
+        self.drafter[0] += accepted
+        self.drafter[1] += tried
+
+    def forget(self, key: int) -> None:
+        """A finished request's running acceptance goes (the drafter-wide one stays)."""
+        self.running.pop(key, None)
+
+    def record_step(self, batch_size: int, seconds: float) -> None:
+        """A whole decode step of ``batch_size`` requests took ``seconds`` at the γ chosen for it."""
+        if self.step_times is not None:
+            self.step_times.record(batch_size, self.step_gamma, seconds)
+
+    def calibrate(self) -> tuple[TargetCost, CostCurve]:
+        """T_target(B requests, n tokens each) and T_draft(B) from a short calibration (first use)."""
+        if self.curves is None:
+            from specdec.dist.group import current
+            from specdec.spec.forward_time import forward_time
+
+            rt, g, target, proposer = self.target.runtime, self.max_gamma, self.target, self.proposer
+            bpts = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < rt.max_batch_size] + [rt.max_batch_size]
+            ctx = min(128, rt.max_seq_len - 1)
+            tt = TargetCost.measure(lambda b, n: forward_time(target, n, max(ctx, n), repeats=2, stat="min",
+                                                              requests=b, warmup=1), bpts, g + 1, rounds=4)
+            td = CostCurve(lambda b: proposer.draft_cost(b, ctx), bpts)
+            # A compiled drafter's full γ runs as one graph: per draft, that cost / γ.
+            fused = {b: proposer.fused_draft_cost(b, ctx) for b in bpts}
+            fc = (CostCurve(lambda b: (fused[b] or 0.0) / g, bpts) if None not in fused.values() else None)
+            # A drafter's one-time read of a prompt it has not seen (one request, n tokens).
+            npts = sorted({min(n, rt.max_seq_len - 1) for n in (16, 64, 256, 1024)})
+            tc = CostCurve(proposer.catch_up_cost, npts)
+            # Under torchrun every rank must pick the same γ: all take rank 0's curves.
+            curves = tt.curves
+            times, td.times, tc.times, full_times = current().broadcast_object(
+                ([c.times for c in curves], td.times, tc.times, fc and fc.times))
+            for c, ts in zip(curves, times):
+                c.times = ts
+            if fc is not None:
+                fc.times = full_times
+            self.curves = (tt, td)
+            self.catch_up = tc
+            self.fused = (g, fc) if fc is not None else None
+        return self.curves

@@ -30,13 +30,16 @@ token ``x ~ q`` is kept with probability ``min(1, p(x)/q(x))``, so it is
 emitted with probability ``min(q(x), p(x))``; on rejection (probability
 ``1 - Σ min(p, q)``) the residual adds ``max(0, p(x) - q(x))`` — together
 exactly ``p(x)``.
+
+Faults (:func:`chain_fault`, :func:`tree_fault`): where verification used a
+non-finite number, the step reports it per request, and that request alone fails.
 """
 
 from __future__ import annotations
 
 import torch
 
-from specdec.sampling import LANE_ACCEPT, LANE_RESIDUAL, LANE_TARGET, greedy_tokens, sample_from, uniform
+from specdec.sampling import LANE_ACCEPT, LANE_RESIDUAL, LANE_TARGET, finite_rows, greedy_tokens, sample_from, uniform
 
 
 def _finish(
@@ -107,3 +110,56 @@ def verify_sampled(
     recovered_ext = torch.cat([recovered, bonus[:, -1:]], dim=1)
     fill = torch.where(ar < num_draft.unsqueeze(1), recovered_ext, bonus)
     return _finish(draft_tokens, accept, fill, num_draft)
+
+
+# -- faults: the first non-finite number a request's verification used ------------------
+#
+# A step reports one code per request: -1 (none), 2·i for the target's logits at row i,
+# 2·i + 1 for the draft probabilities of draft i. Rows past the accepted drafts are not
+# used: a draft that drove the target non-finite is just rejected (rows before it never
+# saw it). A greedy drafter's tokens are only proposals (no probabilities to check).
+#
+# Example (γ = 3, num_accepted = [1]): rows 0 and 1 were used. Target logits non-finite
+# at row 2 only -> -1 (that row was not used); at row 1 -> 2; draft 0's
+# probabilities non-finite -> 1 (counted first: 1 < 2).
+
+
+def describe_fault(code: int) -> tuple[str, int]:
+    """A fault code -> (what held the non-finite number, its row in the step)."""
+    return ("the drafter's probabilities" if code % 2 else "the target's logits"), code // 2
+
+
+def chain_fault(logits: torch.Tensor, draft_probs: torch.Tensor | None, num_accepted: torch.Tensor,
+                num_draft: torch.Tensor) -> torch.Tensor:
+    """The fault code of each request of a chain step, [B] (``logits`` [B, γ+1, V],
+    ``draft_probs`` [B, γ, V] or None)."""
+    n = logits.shape[1]  # γ+1
+    row = torch.arange(n, device=logits.device)
+    used = row <= num_accepted.unsqueeze(1)  # [B, γ+1]
+    code = torch.where(used & ~finite_rows(logits), 2 * row, 2 * n)  # [B, γ+1]
+    if draft_probs is not None:
+        g = draft_probs.shape[1]
+        drafted = used[:, :g] & (row[:g] < num_draft.unsqueeze(1))  # [B, γ]
+        code = torch.cat([code, torch.where(drafted & ~finite_rows(draft_probs), 2 * row[:g] + 1, 2 * n)], 1)
+    first = code.amin(1)  # [B]
+    return torch.where(first < 2 * n, first, -1)
+
+
+def tree_fault(logits: torch.Tensor, draft_probs: torch.Tensor | None, path: torch.Tensor,
+               num_accepted: torch.Tensor) -> torch.Tensor:
+    """:func:`chain_fault` of a tree step: only the rows on each request's accepted path
+    were used (``path [B, D+1]``, TreeVerdict.path), and the draft probabilities of its
+    accepted nodes; ``i`` counts along the path."""
+    d1 = path.shape[1]
+    row = torch.arange(d1, device=logits.device)
+    on = path.clamp(min=0)
+    used = row <= num_accepted.unsqueeze(1)  # [B, D+1]
+    bad = ~finite_rows(logits).gather(1, on)  # [B, D+1]
+    code = torch.where(used & bad, 2 * row, 2 * d1)
+    if draft_probs is not None and d1 > 1:
+        node = (on[:, 1:] - 1).clamp(min=0)  # [B, D] accepted nodes
+        bad_q = ~finite_rows(draft_probs).gather(1, node)
+        acc = row[: d1 - 1] < num_accepted.unsqueeze(1)
+        code = torch.cat([code, torch.where(acc & bad_q, 2 * row[: d1 - 1] + 1, 2 * d1)], 1)
+    first = code.amin(1)
+    return torch.where(first < 2 * d1, first, -1)

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
-import dataclasses
+import types
 
 import pytest
 
 from specdec.api import LLM
 from specdec.core.context import SamplingParams, TextContext
 from specdec.core.pipeline_model import RuntimeConfig
-from specdec.spec.gamma import CostCurve, StepTimes, TargetCost, choose_gamma, expected_tokens
+from specdec.spec.gamma import (
+    AdaptiveGamma,
+    CostCurve,
+    GammaPolicyConfig,
+    StepTimes,
+    TargetCost,
+    choose_gamma,
+    expected_tokens,
+)
 from specdec.spec.proposers.draft_model import DraftModelConfig
 from specdec.spec.proposers.ngram import NgramConfig
 
@@ -150,7 +158,7 @@ def test_adaptive_gamma_is_exact(tiny_llama, method: str) -> None:
     plain = [o.token_ids for o in LLM(target.path, runtime=rt).generate(prompts, sp)]
     llm = LLM(target.path, method=cfg, runtime=rt)
     assert [o.token_ids for o in llm.generate(prompts, sp)] == plain
-    assert llm.pipeline._curves is not None  # calibrated at build time
+    assert llm.pipeline.adaptive.curves is not None  # calibrated at build time
 
 
 def _call(llm: LLM, prompts: list[list[int]], ids: list[str], sp: SamplingParams) -> int:
@@ -165,16 +173,14 @@ def _call(llm: LLM, prompts: list[list[int]], ids: list[str], sp: SamplingParams
 
 
 def _adaptive(tiny_llama, **policy) -> LLM:
-    from specdec.spec.gamma import GammaPolicyConfig
-
     target = tiny_llama(seed=0)
     draft = tiny_llama(seed=0, perturb=0.01, perturb_seed=1)  # a good drafter
     cfg = DraftModelConfig(path=str(draft.path), num_speculative_tokens=4, adaptive_gamma=True)
     llm = LLM(target.path, method=cfg, runtime=RuntimeConfig(max_batch_size=2, max_seq_len=96))
-    llm.pipeline.config = dataclasses.replace(llm.pipeline.config, gamma_policy=GammaPolicyConfig(adaptive=True, **policy))
+    llm.pipeline.adaptive.policy = GammaPolicyConfig(adaptive=True, **policy)
     # Flat target, drafts at 0.3 a token: the prior's 0.6 acceptance picks γ = 1,
     # a learned high acceptance picks more.
-    llm.pipeline._curves = (TargetCost.measure(lambda b, n: 1.0, [1, 2], 5), CostCurve(lambda b: 0.3, [1, 2]))
+    llm.pipeline.adaptive.curves = (TargetCost.measure(lambda b, n: 1.0, [1, 2], 5), CostCurve(lambda b: 0.3, [1, 2]))
     return llm
 
 
@@ -202,37 +208,37 @@ def test_adaptive_gamma_learns_the_drafter_before_it_turns_speculation_off(tiny_
     learns = _adaptive(tiny_llama, prior_accept=0.05, explore_tokens=8)
     first = _call(learns, prompts, ["a", "b"], sp)
     assert first > 8  # explored, then kept drafting on what it learnt
-    acc, tried = learns.pipeline._drafter_running
+    acc, tried = learns.pipeline.adaptive.drafter
     assert tried >= 8 and acc / tried > 0.6
     # A new request starts from the learnt estimate: its first step drafts (the trapped
     # pipeline's would not).
     fresh = [TextContext(request_id="new", tokens=[1, 2, 3], prompt_len=3, sampling=sp)]
-    assert learns.pipeline._policy_gamma(fresh, [4]) > 0 and trapped.pipeline._policy_gamma(fresh, [4]) == 0
+    assert learns.pipeline.adaptive.choose(fresh, [4], False) > 0 and trapped.pipeline.adaptive.choose(fresh, [4], False) == 0
 
 
 def test_exploration_stops_where_speculation_cannot_pay(tiny_llama) -> None:
     """Verifying costs as much per token as decoding (a compute-bound target): however good
     the drafter, plain decoding wins, so after its exploration the pipeline drafts no more."""
     llm = _adaptive(tiny_llama, explore_tokens=8)
-    llm.pipeline._curves = (TargetCost.measure(lambda b, n: float(b * n), [1, 2], 5),
-                            CostCurve(lambda b: 0.3, [1, 2]))
+    llm.pipeline.adaptive.curves = (TargetCost.measure(lambda b, n: float(b * n), [1, 2], 5),
+                                    CostCurve(lambda b: 0.3, [1, 2]))
     prompts, sp = [[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=24, ignore_eos=True)
     assert _call(llm, prompts, ["a", "b"], sp) > 0  # exploring steps only: ...
-    assert llm.pipeline._drafter_running[1] < 8 + 2 * 4  # ... it stopped once 8 drafts were tried
+    assert llm.pipeline.adaptive.drafter[1] < 8 + 2 * 4  # ... it stopped once 8 drafts were tried
     assert _call(llm, prompts, ["c", "d"], sp) == 0
 
 
 def test_plain_chosen_for_a_batch_is_not_worked_out_again_until_the_batch_changes(tiny_llama, monkeypatch) -> None:
     """Where speculation cannot pay, the model runs once per batch composition, not every step
     (a step that drafts nothing cannot make speculation pay better); outputs stay plain's."""
-    from specdec.spec import pipeline as pipeline_module
+    from specdec.spec import gamma as gamma_module
 
     llm = _adaptive(tiny_llama, explore_tokens=0)
-    llm.pipeline._curves = (TargetCost.measure(lambda b, n: float(b * n), [1, 2], 5),
-                            CostCurve(lambda b: 0.3, [1, 2]))  # compute-bound: plain always wins
+    llm.pipeline.adaptive.curves = (TargetCost.measure(lambda b, n: float(b * n), [1, 2], 5),
+                                            CostCurve(lambda b: 0.3, [1, 2]))  # compute-bound: plain always wins
     calls: list[int] = []
-    choose = pipeline_module.choose_gamma
-    monkeypatch.setattr(pipeline_module, "choose_gamma", lambda accept, *a, **k: calls.append(len(accept))
+    choose = gamma_module.choose_gamma
+    monkeypatch.setattr(gamma_module, "choose_gamma", lambda accept, *a, **k: calls.append(len(accept))
                         or choose(accept, *a, **k))
     prompts, sp = [[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=24, ignore_eos=True)
     plain = LLM(tiny_llama(seed=0).path, runtime=RuntimeConfig(max_batch_size=2, max_seq_len=96))
@@ -254,17 +260,17 @@ def test_adaptive_gamma_measures_decode_steps_and_follows_them(tiny_llama) -> No
     plain = [o.token_ids for o in LLM(tiny_llama(seed=0).path,
                                       runtime=RuntimeConfig(max_batch_size=2, max_seq_len=96)).generate(prompts, sp)]
     free = _adaptive(tiny_llama, explore_tokens=0)
-    free.pipeline.step_times = StepTimes(window=1000)
+    free.pipeline.adaptive.step_times = StepTimes(window=1000)
     assert [o.token_ids for o in free.generate(prompts, sp)] == plain
-    times = free.pipeline.step_times._times
-    assert sum(map(len, times.values())) == free.pipeline.num_spec_steps  # every decode step, no prefill
+    times = free.pipeline.adaptive.step_times.counts()
+    assert sum(times.values()) == free.pipeline.num_spec_steps  # every decode step, no prefill
     assert {b for b, _ in times} <= {1, 2} and any(g > 0 for _, g in times)
     assert free.pipeline.stats().counts.proposed > 0  # the flat cost model speculates
     slow = _adaptive(tiny_llama, explore_tokens=0)
     for b in (1, 2):  # measured: any drafting step takes 10x a plain step
         for g in range(5):
             for _ in range(8):
-                slow.pipeline.step_times.record(b, g, 10.0 if g else 1.0)
+                slow.pipeline.adaptive.step_times.record(b, g, 10.0 if g else 1.0)
     assert [o.token_ids for o in slow.generate(prompts, sp)] == plain
     assert slow.pipeline.stats().counts.proposed == 0
 
@@ -303,3 +309,38 @@ def test_a_step_carrying_a_prompt_beside_other_requests_drafts_nothing(tiny_llam
     assert (2, True) in plain_steps  # a mixed step happened, and ran plain ...
     assert drafted and all(not (b > 1 and pre) for b, pre in drafted)  # ... and no drafting step was one
     assert any(b == 2 for b, _ in drafted)  # decode-only steps at batch 2 still draft
+
+
+def _policy(**policy) -> tuple[AdaptiveGamma, list[TextContext]]:
+    """An AdaptiveGamma on a flat target (1 s a forward at any size) and drafts at 0.3 s,
+    no model behind it, and three fresh requests."""
+    proposer = types.SimpleNamespace(drafts_after_verify=False)
+    ag = AdaptiveGamma(GammaPolicyConfig(adaptive=True, **policy), 4, target=None, proposer=proposer)
+    ag.curves = (TargetCost.measure(lambda b, n: 1.0, [1, 2], 5), CostCurve(lambda b: 0.3, [1, 2]))
+    sp = SamplingParams(max_new_tokens=24)
+    return ag, [TextContext(request_id=r, tokens=[1, 2, 3], prompt_len=3, sampling=sp) for r in "abc"]
+
+
+def test_adaptive_gamma_learns_from_recorded_steps_and_forgets_finished_requests() -> None:
+    ag, (a, b, c) = _policy(prior_accept=0.05, explore_tokens=0)
+    assert ag.choose([a], [4], False) == 0  # the prior alone predicts no gain
+    assert ag.still_plain([a]) and not ag.still_plain([b])  # the same batch, until something changes
+    ag.record(c.key, 100, 100)  # another request accepted everything
+    assert not ag.still_plain([a])
+    ag.record(a.key, 0, 40)  # ... and this one nothing
+    assert ag.choose([a], [4], False) == 0  # its own record outweighs the drafter's
+    assert ag.choose([b], [4], False) > 0  # a new request starts from the drafter's
+    ag.forget(a.key)
+    assert ag.choose([a], [4], False) > 0  # forgotten: it starts from the drafter's too
+    assert ag.drafter == [100, 140]  # (the drafter-wide record stays)
+
+
+def test_adaptive_gamma_runs_a_mixed_step_plain_and_times_steps_at_the_gamma_chosen() -> None:
+    ag, (a, b, _) = _policy(prior_accept=0.9, explore_tokens=0)
+    g = ag.choose([a, b], [4, 4], False)
+    assert g > 0
+    ag.record_step(2, 0.5)
+    assert ag.choose([a, b], [4, 4], True) == 0  # prompt rows beside other requests: plain
+    ag.record_step(2, 0.25)
+    assert ag.choose([a], [4], True) > 0  # ... not for one request alone
+    assert ag.step_times is not None and ag.step_times.counts() == {(2, g): 1, (2, 0): 1}

@@ -28,7 +28,7 @@ from specdec.core.context import SamplingParams
 from specdec.core.pipeline_model import RuntimeConfig
 from specdec.engine import EngineConfig
 from specdec.sampling import LANE_RESIDUAL, LANE_TARGET, sample_from, uniform
-from specdec.spec import pipeline as spec_pipeline
+from specdec.spec import draft_and_verify as spec_pipeline
 from specdec.spec import verify as spec_verify
 from specdec.spec.proposers.draft_model import DraftModelConfig
 from specdec.spec.proposers.eagle import Eagle3Config, EagleConfig

@@ -30,7 +30,7 @@ from specdec.api import LLM
 from specdec.core.context import SamplingParams
 from specdec.core.pipeline_model import RuntimeConfig
 from specdec.engine import EngineConfig
-from specdec.spec import pipeline as spec_pipeline
+from specdec.spec import draft_and_verify as spec_pipeline
 from specdec.spec.proposers.draft_model import DraftModelConfig
 from specdec.spec.proposers.ngram import NgramConfig
 from specdec.spec.tree import TreeConfig
