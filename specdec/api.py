@@ -29,6 +29,7 @@ from specdec.core.pipeline_model import (
 )
 from specdec.engine import Engine, EngineConfig, GenerationOutput, drain
 from specdec.spec.proposers import ProposerConfig, config_class, registered_proposers
+from specdec.zoo_fetch import resolve_target
 
 Prompt = str | Sequence[int]
 Method = ProposerConfig | str | Mapping[str, Any] | None
@@ -115,7 +116,7 @@ def build_pipeline(target: str | Path, method: ProposerConfig | None, runtime: R
     gamma = method.num_speculative_tokens
     target_pm = registered_pipeline_model(target, runtime, extra_tokens=gamma + 1)
     proposer = proposer_for(method)(method, ProposerDeps(runtime=runtime, target=target_pm))
-    gamma = min(gamma, getattr(proposer, "max_speculative_tokens", None) or gamma)  # e.g. Medusa: K heads
+    gamma = min(gamma, proposer.spec.max_speculative_tokens or gamma)  # e.g. Medusa: K heads
     spec = SpecConfig(num_speculative_tokens=gamma, gamma_policy=GammaPolicyConfig(adaptive=method.adaptive_gamma))
     return SpecDecodePipelineModel(target_pm, proposer, spec, max_seq_len=runtime.max_seq_len)
 
@@ -160,6 +161,9 @@ def _requests(prompts: Prompt | Sequence[Prompt],
 class LLM:
     """A target (and optionally a drafting method) ready to generate.
 
+    ``target``: a checkpoint directory, a ``.gguf`` file, or a model fetched by name on first
+    use (``"smollm2"``: :mod:`specdec.zoo_fetch`).
+
     ``method``: None (plain decoding of the target), a registered drafting
     method's name (``"ngram"``: its defaults), a dict of its ``name`` and
     options (``{"name": "draft_model", "path": ..., "num_speculative_tokens": 3}``)
@@ -187,7 +191,7 @@ class LLM:
         engine_config: EngineConfig | None = None,
         **settings: Any,
     ) -> None:
-        self.target = target
+        self.target = target = resolve_target(target)  # a fetchable name ("smollm2"): its cached file
         self._ids = itertools.count()  # request numbers, unique across this LLM's calls and streams
         self.method = method_config(method)  # checked before anything loads
         self.runtime, self.engine_config = split_settings(runtime, engine_config, settings)

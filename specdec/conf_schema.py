@@ -18,6 +18,7 @@ its own typed config.
 Custom OmegaConf resolvers (registered on import):
 
 - ``${zoo:NAME}``: absolute path of ``specdec/zoo/NAME`` in the installed package;
+- ``${pkg:PATH}``: absolute path of ``specdec/PATH`` (shipped data: ``data/spec_bench/question.jsonl``);
 - ``${uid:}``: a short random hex id, the same everywhere within one config
   (cached, and Hydra copies the cache into every job of a sweep);
 - ``${or_else:A,B}``: ``A`` unless it is null or empty, else ``B``.
@@ -75,6 +76,10 @@ def _zoo(name: str) -> str:
     return str(ZOO_DIR / name)
 
 
+def _pkg(path: str) -> str:
+    return str(PACKAGE_DIR / path)
+
+
 def _uid() -> str:
     return secrets.token_hex(3)
 
@@ -85,6 +90,7 @@ def _or_else(a: Any, b: Any) -> Any:
 
 def register_resolvers() -> None:
     OmegaConf.register_new_resolver("zoo", _zoo, replace=True)
+    OmegaConf.register_new_resolver("pkg", _pkg, replace=True)
     OmegaConf.register_new_resolver("uid", _uid, replace=True, use_cache=True)
     OmegaConf.register_new_resolver("or_else", _or_else, replace=True)
 
@@ -275,13 +281,17 @@ def _check_zoo_heads(target: str, methods: dict[str, ProposerConfig]) -> None:
     with another target, say so before anything loads, and how to go on."""
     if Path(target).resolve() == (ZOO_DIR / "code-target").resolve():
         return
-    for name, cfg in methods.items():
+    def shipped_head(cfg: ProposerConfig) -> bool:
         path = getattr(cfg, "path", None)
-        if name != "draft_model" and path and Path(path).resolve().parent == ZOO_DIR.resolve():
+        return not cfg.any_target and bool(path) and Path(path).resolve().parent == ZOO_DIR.resolve()
+
+    for name, cfg in methods.items():
+        if shipped_head(cfg):
+            others = ",".join(n for n, c in methods.items() if not shipped_head(c))
             raise ConfigError(
-                f"method.{name}.path is {path}, the head shipped for the built-in target, but target.path is "
-                f"{target}: set method.{name}.path to a head trained for your target (python -m specdec.train), "
-                f"or leave the shipped heads out: method=[draft_model,ngram]")
+                f"method.{name}.path is {getattr(cfg, 'path')}, the head shipped for the built-in target, but "
+                f"target.path is {target}: set method.{name}.path to a head trained for your target "
+                f"(python -m specdec.train), or leave the shipped heads out: method=[{others}]")
 
 
 def to_plain_dict(rc: RunConfig) -> dict[str, Any]:

@@ -56,7 +56,6 @@ from specdec.core.pipeline_model import DecoderPipelineModel, RuntimeConfig
 from specdec.spec.forward_time import forward_time
 from specdec.spec.cost import step_cost, target_line
 from specdec.spec.metrics import PHASES, RunStats, SpecCounts, analytic_limit, decode_tau
-from specdec.spec.proposers.base import Proposer
 
 if TYPE_CHECKING:
     from specdec.api import LLM
@@ -508,7 +507,7 @@ def limit_timers(methods: Mapping[str, LLM], *, after_other: bool | Collection[s
         runs[name, "t1"] = (pipe.target, 1)
         runs[name, "tg"] = (pipe.target, g1)
         proposer = pipe.proposer
-        if proposer.draft_model is not None or type(proposer).draft_forward_time is not Proposer.draft_forward_time:
+        if proposer.has_draft_cost():
             runs[name, "td"] = proposer.draft_forward_time
             if after_other is True or (after_other and name in after_other):
                 runs[name, "tg_after"] = (
@@ -522,16 +521,14 @@ def limit_timers(methods: Mapping[str, LLM], *, after_other: bool | Collection[s
 
 def step_shape(llm: LLM) -> tuple[int, float, int]:
     """What a step of ``llm``'s method runs at its full γ: ``(max_rows, draft_forwards,
-    max_drafts)`` of :class:`ForwardTimes`. Draft forwards are charged ``T_draft(1)`` each,
-    as the proposer's ``draft_forward_time`` measures it: a chain's γ drafts (a compiled
-    chain: its one call ÷ γ); a dynamic tree's ``depth`` levels; Medusa's drafts (its one
-    pass of the heads ÷ its drafts per step, min(γ, heads) for a chain)."""
+    max_drafts)`` of :class:`ForwardTimes`, from the drafter's spec (``DrafterSpec.drafts``,
+    ``draft_forwards``). Draft forwards are charged ``T_draft(1)`` each, as the proposer's
+    ``draft_forward_time`` measures it: a chain's γ drafts (a compiled chain: its one call
+    ÷ γ); a dynamic tree's ``depth`` levels; Medusa's drafts (its one pass of the heads ÷
+    its drafts per step, min(γ, heads) for a chain)."""
     g = int(llm.method.num_speculative_tokens)
-    proposer = llm.pipeline.proposer
-    drafts = int(getattr(proposer, "gamma", g))  # Medusa: min(γ, heads) for a chain, else γ
-    tree = getattr(llm.method, "tree", None)
-    forwards = tree.depth if tree is not None and tree.kind == "dynamic" else drafts
-    return g + 1, float(forwards), drafts
+    spec = llm.pipeline.proposer.spec
+    return g + 1, float(spec.draft_forwards(g)), spec.drafts(g)
 
 
 def _forward_times(methods: Mapping[str, LLM], t: Mapping[tuple[str, str], float | None]) -> dict[str, ForwardTimes]:
@@ -744,8 +741,10 @@ def checkpoint(option: str, builtin: Path | None, **random: Any) -> Path:
 
 def zoo_drafter(name: str) -> Path | None:
     """The shipped checkpoint of drafting method ``name`` for the built-in target
-    (``specdec/zoo/code-draft`` for draft_model, ``code-eagle``, ``code-eagle3`` …), or None."""
-    d = ZOO_DIR / ("code-draft" if name == "draft_model" else f"code-{name.replace('_', '-')}")
+    (``specdec/zoo/<its config's zoo_dir>``, by default ``code-<name>``: ``code-eagle`` …), or None."""
+    from specdec.spec.proposers import config_class
+
+    d = ZOO_DIR / (config_class(name).zoo_dir or f"code-{name.replace('_', '-')}")
     return d if (d / "model.safetensors").is_file() else None
 
 

@@ -83,7 +83,10 @@ __all__ = [
     "check_tree_fits",
     "short_repr",
     "Candidates",
+    "NodeStep",
     "Selection",
+    "StaticShape",
+    "StaticShapes",
     "StaticTree",
     "TreeConfig",
     "TreeVerdict",
@@ -92,10 +95,13 @@ __all__ = [
     "children_table",
     "compact_kv",
     "depths",
+    "draft_dynamic_tree",
+    "draft_static_tree",
     "dynamic_tree_select",
     "expand_topk",
     "packed_tree_mask",
     "static_tree",
+    "static_tree_shape",
     "static_tree_tokens",
     "tree_attention_mask",
     "tree_lane",
@@ -212,6 +218,13 @@ class TreeConfig:
             return gamma
         n = self.total_tokens or gamma
         return min(n, len(self.choices)) if self.kind == "static" and self.choices else n
+
+    def scratch_rows(self, gamma: int) -> int:
+        """KV rows a drafter writes per request drafting a tree past its context (0: a chain):
+        a dynamic tree's frontiers, ``(depth - 1) · top_k``; a static tree's nodes, ``gamma``."""
+        if not self.is_tree:
+            return 0
+        return (self.depth - 1) * self.top_k if self.kind == "dynamic" else gamma
 
 
 def tree_lane(lane: int, sibling: int) -> int:
@@ -637,8 +650,7 @@ def verify_tree_greedy(
     return TreeVerdict(path, out, (path >= 0).sum(1) - 1)
 
 
-# On the CPU a small batch's walk runs in Python over lists: tens of microseconds,
-# against about 0.4 ms for the ~15 eager tensor ops a level the loop above issues.
+# A small CPU batch walks on host lists: tens of µs, not ~0.4 ms of eager tensor ops a level.
 HOST_WALK_NODES = 256
 
 
@@ -721,10 +733,8 @@ def verify_tree_sampled(
       independently of the verifier's noise is a mixture of fixed trees),
       whatever way the siblings were drawn; it only accepts less often, as
       ``p(x) <= min(1, p(x)/q(x))``. So a drafter sampling without
-      replacement can be verified that way. (The reference notes list
-      "q ignored" among the non-exact rules: that holds only if the tree
-      depends on the target's randomness; tests/spec/test_tree_verify.py
-      checks both.)
+      replacement can be verified that way (not so a tree that depends on
+      the verifier's noise; tests/spec/test_tree_verify.py checks both).
 
     Why it is lossless, at one node: ``x_1`` is emitted with probability
     ``min(p, q_1)(x)``, and it is rejected with probability ``β = Σ max(0, p - q_1)``,
@@ -838,6 +848,18 @@ def compact_kv(cache: KVCacheTensors, src_slots: torch.Tensor, dst_slots: torch.
         t.index_copy_(1, dst_slots, t.index_select(1, src_slots))
 
 
+# -- drafting a tree ---------------------------------------------------------------------------
+#
+# A drafter supplies a NodeStep: one forward of M tree nodes per request, all at one depth,
+# step(tokens [B, M], state [B, M, H] | None, own [B, M], anc [B, M, A]) -> (state | None,
+# logits [B, M, V]). Node (b, m) holds tokens[b, m], writes its KV row at slot own[b, m] and
+# sees its request's context, then its A ancestors' slots anc[b, m] (root side first).
+# ``state`` is what a node passes to its children (an EAGLE head's h; None for a draft model).
+
+NodeStep = Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor],
+                    tuple[Optional[torch.Tensor], torch.Tensor]]
+
+
 def node_rows(tokens: torch.Tensor, own: torch.Tensor, anc: torch.Tensor, lens: torch.Tensor,
               gather_slots: torch.Tensor, max_ctx: int, kv_cache: KVCacheTensors, *,
               exact_context: bool) -> DecoderInputs:
@@ -877,10 +899,21 @@ def node_rows(tokens: torch.Tensor, own: torch.Tensor, anc: torch.Tensor, lens: 
     )
 
 
-def static_tree_shape(choices: Any, n: int, device: torch.device | str = "cpu") -> tuple[Any, ...]:
-    """A static tree cut to its first ``n`` choices (as listed): (parents [n], ranks [n], levels
-    [(lo, hi)] per depth, ancestors [n, D - 1] root side first, top-k needed,
-    max depth, max children)."""
+class StaticShape(NamedTuple):
+    """A static tree cut to its first ``n`` choices, as a drafter reads it (tensors on its device)."""
+
+    parents: torch.Tensor  # [n] int64, -1: the root
+    ranks: torch.Tensor  # [n] int64, node i's token: the ranks[i]-th top token drafted at its parent
+    depths: torch.Tensor  # [n] int64, 1 for the root's children
+    levels: tuple[tuple[int, int], ...]  # nodes [lo, hi) of each depth 1, 2, … (nodes sorted by depth)
+    ancestors: torch.Tensor  # [n, max_depth - 1] int64, each node's ancestors, root side first (0 past them)
+    top_k: int  # top tokens a drafted distribution must give: the largest rank + 1
+    max_depth: int
+    max_children: int
+
+
+def static_tree_shape(choices: Any, n: int, device: torch.device | str = "cpu") -> StaticShape:
+    """The static tree of ``choices`` cut to its first ``n`` (as listed, :func:`static_tree`)."""
     st = static_tree(choices, n)
     par, ranks, dep = st.parents, st.ranks, st.depths.tolist()
     levels = []
@@ -895,18 +928,104 @@ def static_tree_shape(choices: Any, n: int, device: torch.device | str = "cpu") 
             p = int(par[p])
         anc[i, : len(chain)] = torch.tensor(chain[::-1], dtype=torch.long)
     kids = torch.bincount(par + 1, minlength=n + 1)
-    return (par.to(device), ranks.to(device), levels, anc.to(device), int(ranks.max()) + 1, max(dep),
-            int(kids.max()))
+    return StaticShape(parents=par.to(device), ranks=ranks.to(device), depths=st.depths.to(device),
+                       levels=tuple(levels), ancestors=anc.to(device), top_k=int(ranks.max()) + 1,
+                       max_depth=max(dep), max_children=int(kids.max()))
 
 
-def selected_tree(cand: Candidates, scores: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The best ``n`` of an expansion's candidates (:func:`dynamic_tree_select` by
-    ``scores`` [B, M]) as (tokens [B, n], parents [B, n], num_nodes [B]), padded
-    with root children when there are fewer candidates than ``n``."""
+class StaticShapes:
+    """The shapes of one static tree ``choices`` per node budget ``n``, each made once on
+    ``device`` (a drafter asks every step; a request with less room asks a smaller ``n``)."""
+
+    def __init__(self, choices: Any, device: torch.device | str = "cpu") -> None:
+        self.choices, self.device = choices, device
+        self._by_n: dict[int, StaticShape] = {}
+
+    def __call__(self, n: int) -> StaticShape:
+        shape = self._by_n.get(n)
+        if shape is None:
+            shape = self._by_n[n] = static_tree_shape(self.choices, n, self.device)
+        return shape
+
+
+def draft_static_tree(step: NodeStep, root_logits: torch.Tensor, root_state: torch.Tensor | None,
+                      tree_slots: torch.Tensor, shape: StaticShape,
+                      num_draft: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The static tree ``shape`` drafted level by level, one ``step`` per level but the last
+    -> (tokens [B, n], parents [B, n], num_nodes [B]).
+
+    ``root_logits`` [B, V] (and ``root_state`` [B, H]) are the drafter's at the root; node
+    ``i``'s token is the ``ranks[i]``-th top token at its parent (:func:`static_tree_tokens`)
+    and it writes ``tree_slots[:, i]``. ``num_draft`` [B]: each request's node budget
+    (None: all ``n``); a request keeps its first ``num_draft[b]`` nodes.
+    """
+    par, ranks, kmax = shape.parents, shape.ranks, shape.top_k
+    b, n = root_logits.shape[0], par.shape[0]
+    top = root_logits.new_zeros(b, n + 1, kmax, dtype=torch.long)  # top tokens at each row (0: the root)
+    top[:, 0] = root_logits.topk(kmax, dim=-1).indices
+    states = None
+    if root_state is not None:  # the state each row passes to its children (0: the root)
+        states = root_state.new_zeros(b, n + 1, root_state.shape[-1])
+        states[:, 0] = root_state
+    tokens = root_logits.new_zeros(b, n, dtype=torch.long)
+    for d, (lo, hi) in enumerate(shape.levels, start=1):
+        tokens[:, lo:hi] = static_tree_tokens(par[lo:hi], ranks[lo:hi], top)
+        if d < len(shape.levels):  # this level's nodes have children: run them
+            own = tree_slots[:, lo:hi]
+            anc = tree_slots.index_select(1, shape.ancestors[lo:hi, : d - 1].reshape(-1)).view(b, hi - lo, d - 1)
+            feat = None if states is None else states.index_select(1, par[lo:hi] + 1)  # [B, M, H] the parents'
+            state, lg = step(tokens[:, lo:hi], feat, own, anc)
+            if states is not None:
+                states[:, lo + 1 : hi + 1] = state
+            top[:, lo + 1 : hi + 1] = lg.topk(kmax, dim=-1).indices
+    num_nodes = (torch.full((b,), n, dtype=torch.long, device=root_logits.device) if num_draft is None
+                 else torch.minimum(num_draft, torch.full_like(num_draft, n)))
+    return tokens, par.expand(b, n), num_nodes
+
+
+def draft_dynamic_tree(step: NodeStep, root_logits: torch.Tensor, root_state: torch.Tensor | None,
+                       tree_slots: torch.Tensor, tree: TreeConfig, n: int,
+                       num_draft: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """EAGLE-2's tree (:func:`expand_topk`, :func:`dynamic_tree_select`) of ``n`` nodes
+    -> (tokens [B, n], parents [B, n], num_nodes [B]).
+
+    ``tree.depth - 1`` frontiers of ``tree.top_k`` nodes each run as one ``step``; frontier
+    ``c`` writes ``tree_slots[:, c·K : (c+1)·K]`` and a node sees its parent's ancestors,
+    then its parent. ``num_draft`` [B]: each request keeps only its best ``num_draft[b]``
+    candidates (None: the best ``n``). Fewer candidates than ``n``: padded with root
+    children past ``num_nodes``.
+    """
+    k = tree.top_k
+    b = root_logits.shape[0]
+    calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []  # (anc, own, state) of each frontier
+
+    def draft_fn(tok: torch.Tensor, front_parent: torch.Tensor) -> torch.Tensor:
+        c = len(calls)
+        own = tree_slots[:, c * k : (c + 1) * k]  # [B, K] rows of this frontier
+        if c == 0:
+            anc = own.new_zeros(b, k, 0)
+            feat = None if root_state is None else root_state.unsqueeze(1).expand(b, k, root_state.shape[-1])
+        else:  # the parent's ancestors, then the parent
+            pa, po, ps = calls[c - 1]
+            anc = torch.cat([pa.gather(1, front_parent.unsqueeze(2).expand(-1, -1, c - 1)),
+                             po.gather(1, front_parent).unsqueeze(2)], 2)
+            feat = None if ps is None else ps.gather(1, front_parent.unsqueeze(2).expand(-1, -1, ps.shape[-1]))
+        state, lg = step(tok, feat, own, anc)
+        calls.append((anc, own, state))
+        return torch.log_softmax(lg.float(), -1)
+
+    cand = expand_topk(torch.log_softmax(root_logits.float(), -1), draft_fn, tree.depth, k)
+    scores = cand.scores.nan_to_num(nan=float("-inf"))
+    if num_draft is not None:  # each request's own budget: its best num_draft[b] (still a tree)
+        m = scores.shape[1]
+        order = scores.sort(dim=1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(m, device=scores.device).expand(b, m))
+        scores = scores.masked_fill(rank >= num_draft.unsqueeze(1), float("-inf"))
     sel = dynamic_tree_select(scores, cand.parents, n)
     tokens, parents = cand.tokens.gather(1, sel.index), sel.parents
     if tokens.shape[1] < n:  # fewer candidates than the budget (small top_k · depth)
-        b, pad = tokens.shape[0], n - tokens.shape[1]
+        pad = n - tokens.shape[1]
         tokens = torch.cat([tokens, tokens.new_zeros(b, pad)], 1)
         parents = torch.cat([parents, parents.new_full((b, pad), -1)], 1)
     return tokens, parents, sel.num_nodes
+

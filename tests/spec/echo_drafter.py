@@ -21,6 +21,7 @@ from specdec.sampling import SamplingTensors
 from specdec.spec.metrics import SpecCounts
 from specdec.spec.proposers import (
     Drafter,
+    DrafterSpec,
     DraftTree,
     Proposer,
     ProposerConfig,
@@ -57,13 +58,21 @@ class EchoDrafter(Drafter):
 
 @register_proposer("echo_test", EchoConfig)
 class EchoProposer(Proposer):
-    drafts_after_verify = True
-
     def __init__(self, config: EchoConfig, deps: ProposerDeps) -> None:
         hidden = deps.target.config.hidden_size
-        self.target_layers = (config.aux_layer,)
+        self.config = config
         self.drafter = EchoDrafter(deps.target.module.lm_head, hidden)
         self._hidden = hidden
+
+    def drafter_spec(self) -> DrafterSpec:
+        return DrafterSpec(drafts_after_verify=True, target_layers=(self.config.aux_layer,))
+
+    # Its weights are the target's own head (one matmul a step): declared free, not left to a default.
+    def draft_cost(self, batch_size: int, context_len: int) -> float:
+        return 0.0
+
+    def draft_forward_time(self, ctx_len: int, repeats: int = 10, **_) -> float:
+        return 0.0
 
     def state_specs(self) -> list[StateSpec]:
         return [StateSpec("feature", torch.float32, (self._hidden,))]

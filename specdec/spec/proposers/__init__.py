@@ -4,6 +4,7 @@ proposer registered together); :func:`proposer_class` finds them by name."""
 from specdec.spec.proposers.base import (
     DraftBatch,
     Drafter,
+    DrafterSpec,
     DraftTree,
     Proposer,
     ProposerConfig,
@@ -20,6 +21,7 @@ __all__ = [
     "DraftBatch",
     "DraftTree",
     "Drafter",
+    "DrafterSpec",
     "Proposer",
     "ProposerConfig",
     "ProposerDeps",

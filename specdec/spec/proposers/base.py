@@ -32,10 +32,19 @@ A proposer has two halves:
 
 Drafts are a :class:`DraftTree` per request: tokens plus a parent index; a
 chain is the degenerate tree.
+
+What a drafter *is* (where it drafts, what the step keeps for it, which draft
+decoder it runs) is one frozen :class:`DrafterSpec`, returned once by
+``Proposer.drafter_spec()`` after the config is read. Its costs follow from it:
+a drafter naming its draft decoder (``DrafterSpec(model=...)``) is timed through
+that decoder's bare forwards, one per draft (``draft_forwards``); a drafter with
+weights of another kind times itself (``draft_cost``, ``draft_forward_time``) or
+fails at build, never costing a silent 0.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import pkgutil
@@ -72,6 +81,11 @@ class ProposerConfig:
     num_speculative_tokens: int = 4  # γ: draft tokens per request per step (the most; 0 is plain decoding)
     adaptive_gamma: bool = False  # pick γ <= num_speculative_tokens per step where it pays (spec/gamma.py)
     method_name: ClassVar[str] = ""  # the name it is registered under (register_proposer sets it)
+    # Its checkpoint shipped for the built-in target: specdec/zoo/<zoo_dir> ("": code-<name>, '_' as '-').
+    zoo_dir: ClassVar[str] = ""
+    # True: its checkpoint is a whole model, good for any target of its vocabulary; False:
+    # a head over one target's features (a shipped one fits the shipped target only).
+    any_target: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         check_int(self.key("num_speculative_tokens"), self.num_speculative_tokens, 0, 64)
@@ -244,33 +258,104 @@ class Drafter(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} does not draft after verification")
 
 
-class Proposer(ABC):
-    """Host half of a drafting method. Built as ``cls(config, deps)``."""
+@dataclass(frozen=True)
+class DrafterSpec:
+    """What a drafter is, for the step, the engine and the cost model: returned once by
+    :meth:`Proposer.drafter_spec` after the config is read, read as ``proposer.spec``.
+    The defaults describe a model-free drafter of chains that drafts before verification."""
 
-    name: ClassVar[str] = ""
-    config_cls: ClassVar[type[ProposerConfig]] = ProposerConfig
-    # True: the drafter drafts after verification, from the target's features
+    # The draft decoder its forwards run: a step's drafting costs ``draft_forwards(γ)`` of
+    # its bare one-token forwards, its catch-up a forward of the unseen tokens, its KV
+    # cache follows the request (Proposer's defaults). None: no such decoder.
+    model: DecoderPipelineModel | None = None
+    # True: it drafts after verification, from the target's features
     # (``Drafter.draft_after``); its drafts wait in the state store for the next step.
-    drafts_after_verify: ClassVar[bool] = False
+    drafts_after_verify: bool = False
     # True (with drafts_after_verify): its drafts carry their distribution q
     # (sampled drafts), kept in the store beside them ([max_batch, γ, vocab]).
-    samples_drafts: ClassVar[bool] = False
-    # Target layers whose inputs the drafter reads (``TargetStep.aux_hidden``);
-    # the final-norm hidden state always comes. ``num_layers`` names the last
-    # layer's output before the final norm.
+    samples_drafts: bool = False
+    # True (with drafts_after_verify): it catches up on every packed row the target
+    # was fed (TargetStep.rows …), prefill chunks included.
+    needs_all_rows: bool = False
+    # Target layers whose inputs it reads (``TargetStep.aux_hidden``); the final-norm
+    # hidden state always comes. ``num_layers`` names the last layer's output before the final norm.
     target_layers: tuple[int, ...] = ()
-    # True (with drafts_after_verify): the drafter catches up on every packed
-    # row the target was fed (TargetStep.rows …), prefill chunks included.
-    needs_all_rows: ClassVar[bool] = False
-    # True (with drafts_after_verify): the drafts left in the store are trees
-    # (DraftTree.is_chain False): the store keeps their parents and node counts
-    # too, and ``tree_facts`` gives their host facts (max_depth, max_children).
+    # True (with drafts_after_verify): the drafts left in the store are trees (parents and
+    # node counts kept too); ``tree_facts``: their host facts (max_depth, max_children).
     drafts_trees: bool = False
     tree_facts: tuple[int | None, int | None] = (None, None)
     # True: γ is a tree's node budget. The nodes sit side by side and only the depth
     # adds tokens, so a request's last steps keep their whole tree (gamma_for).
     node_budget: bool = False
+    max_speculative_tokens: int | None = None  # the most drafts a step can hold (Medusa: K heads); None: γ
+    depth: int | None = None  # drafter forwards of every step, whatever γ (a dynamic tree's levels); None: one a draft
+
+    def drafts(self, gamma: int) -> int:
+        """Drafts per request of a step of ``gamma``."""
+        m = self.max_speculative_tokens
+        return gamma if m is None else min(gamma, m)
+
+    def draft_forwards(self, gamma: int) -> int:
+        """Drafter forwards a step of ``gamma`` runs, each charged T_draft(1) (spec/cost.py)."""
+        return self.depth if self.depth is not None else self.drafts(gamma)
+
+
+_SPEC_FLAGS = ("drafts_after_verify", "samples_drafts", "needs_all_rows", "target_layers", "drafts_trees",
+               "tree_facts", "node_budget", "max_speculative_tokens")
+_TIMERS = ("draft_cost", "draft_forward_time")  # what a drafter with weights and no spec.model must define
+
+
+class Proposer(ABC):
+    """Host half of a drafting method. Built as ``cls(config, deps)``; what it is,
+    :meth:`drafter_spec` (read as :attr:`spec`)."""
+
+    name: ClassVar[str] = ""
+    config_cls: ClassVar[type[ProposerConfig]] = ProposerConfig
     drafter: Drafter
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        old = [f for f in _SPEC_FLAGS if f in vars(cls)]
+        if old:
+            raise TypeError(f"proposer {cls.__qualname__} sets {', '.join(old)} on the class; "
+                            "return them from drafter_spec() (a DrafterSpec)")
+
+    def drafter_spec(self) -> DrafterSpec:
+        """What this drafter is (:class:`DrafterSpec`), from its config; called once, after ``__init__``."""
+        return DrafterSpec()
+
+    @functools.cached_property
+    def spec(self) -> DrafterSpec:
+        """:meth:`drafter_spec`, checked: a drafter with weights must have a cost (see :meth:`draft_cost`)."""
+        spec = self.drafter_spec()
+        if not isinstance(spec, DrafterSpec):
+            raise TypeError(f"proposer {self.name!r}: drafter_spec() must return a DrafterSpec, got {short_repr(spec)}")
+        missing = [h for h in _TIMERS if getattr(type(self), h) is getattr(Proposer, h)]
+        if spec.model is None and missing and any(True for _ in self.drafter.parameters()):
+            raise TypeError(
+                f"drafter {self.name!r} declares no cost: its {type(self.drafter).__name__} has weights but "
+                f"drafter_spec() names no draft decoder (DrafterSpec(model=...)) and it defines no "
+                f"{' / '.join(missing)}; its drafting would be charged 0 s in the limit and adaptive γ")
+        return spec
+
+    # The spec's flags under their old names (read-only; spec/pipeline.py reads these).
+    drafts_after_verify = property(lambda self: self.spec.drafts_after_verify)
+    samples_drafts = property(lambda self: self.spec.samples_drafts)
+    needs_all_rows = property(lambda self: self.spec.needs_all_rows)
+    target_layers = property(lambda self: self.spec.target_layers)
+    drafts_trees = property(lambda self: self.spec.drafts_trees)
+    tree_facts = property(lambda self: self.spec.tree_facts)
+    node_budget = property(lambda self: self.spec.node_budget)
+    max_speculative_tokens = property(lambda self: self.spec.max_speculative_tokens)
+
+    @property
+    def draft_model(self) -> DecoderPipelineModel | None:
+        """The draft decoder whose one-token forward is T_draft(1) of the analytic limit (None: none)."""
+        return self.spec.model
+
+    def has_draft_cost(self) -> bool:
+        """Whether its drafting takes time the limit charges: a draft decoder, or a timer of its own."""
+        return self.spec.model is not None or type(self).draft_forward_time is not Proposer.draft_forward_time
 
     def state_specs(self) -> list[StateSpec]:
         """The per-request state this method keeps in the shared store (default none)."""
@@ -293,36 +378,53 @@ class Proposer(ABC):
         emits nothing this step. ``gamma``: drafts the step leaves per request."""
         return None
 
-    def draft_forward_time(self, ctx_len: int, repeats: int = 10, *,
-                           between: Callable[[], object] | None = None, warmup: int = 3) -> float:
-        """Seconds of one bare one-token drafting forward at context ``ctx_len``
-        (T_draft(1) of the analytic limit; 0: model-free). ``between``: untimed, before
-        each timed call of the drafting that follows the target's forward in a step (say
-        that forward: its reads evict some of the drafter's weights from a CPU's caches);
-        ``warmup``: untimed calls first (``repeats=1, warmup=0``: one drafting, as a step's)."""
-        from specdec.spec.forward_time import forward_time
-
-        dm = self.draft_model
-        return (forward_time(dm, 1, ctx_len, repeats=repeats, between=between, warmup=warmup)
-                if dm is not None else 0.0)
-
+    # -- the draft decoder's KV cache (defaults for a spec.model; nothing without one) --
     def reserve(self, ctx: TextContext, gamma: int) -> None:
         """Makes room (KV blocks …) for drafting ``gamma`` tokens; may raise OutOfBlocks."""
+        if self.spec.model is not None:
+            self.spec.model.reserve(ctx, self.kv_tokens(len(ctx.tokens), gamma))
 
     def kv_tokens(self, num_tokens: int, gamma: int) -> int:
         """Tokens the ``draft_model``'s cache holds while drafting ``gamma`` tokens for a
-        request of ``num_tokens`` (the engine's capacity planning; 0: no cache)."""
-        return 0
+        request of ``num_tokens`` (the engine's capacity planning; 0: no cache). Default
+        with a spec.model: the request and its drafts."""
+        return num_tokens + gamma if self.spec.model is not None else 0
 
     def commit(self, ctx: TextContext, num_committed: int) -> None:
-        """After verification: forget state past the request's ``num_committed`` tokens."""
+        """After verification: forget state past the request's ``num_committed`` tokens
+        (a spec.model's cache keeps every committed token but the last, fed next step)."""
+        m = self.spec.model
+        if m is not None:
+            m.truncate(ctx, min(ctx.processed(m.cache_name), num_committed - 1))
 
     def free(self, ctx: TextContext) -> None:
         """Releases everything held for the request."""
+        if self.spec.model is not None:
+            self.spec.model.free(ctx)
+
+    # -- costs: derived from spec.model, or the drafter's own (never a silent 0) ------------
+    def draft_forward_time(self, ctx_len: int, repeats: int = 10, *,
+                           between: Callable[[], object] | None = None, warmup: int = 3) -> float:
+        """Seconds of one bare drafting forward at context ``ctx_len`` as a step charges it
+        (T_draft(1) of the analytic limit; 0: model-free). ``between``: untimed, before
+        each timed call of the drafting that follows the target's forward in a step (say
+        that forward: its reads evict some of the drafter's weights from a CPU's caches);
+        ``warmup``: untimed calls first (``repeats=1, warmup=0``: one drafting, as a step's).
+        Default: the spec.model's bare one-token forward."""
+        from specdec.spec.forward_time import forward_time
+
+        dm = self.spec.model
+        return (forward_time(dm, 1, ctx_len, repeats=repeats, between=between, warmup=warmup)
+                if dm is not None else 0.0)
 
     def draft_cost(self, batch_size: int, context_len: int) -> float:
-        """Seconds one drafting forward takes for ``batch_size`` requests (0: model-free)."""
-        return 0.0
+        """Seconds one drafting forward takes for ``batch_size`` requests, for adaptive γ
+        (default: the spec.model's one-token forward; 0: model-free)."""
+        from specdec.spec.forward_time import forward_time
+
+        dm = self.spec.model
+        return (forward_time(dm, 1, context_len, repeats=7, stat="min", requests=batch_size)
+                if dm is not None else 0.0)
 
     def fused_draft_cost(self, batch_size: int, context_len: int) -> float | None:
         """Seconds of all γ drafts of the method's full γ for ``batch_size`` requests where
@@ -331,19 +433,18 @@ class Proposer(ABC):
         return None
 
     def unseen_tokens(self, ctx: TextContext) -> int:
-        """Tokens of ``ctx`` the drafter must read before it can draft (a draft model's
+        """Tokens of ``ctx`` the drafter must read before it can draft (a spec.model's
         catch-up; 0: a drafter that keeps up with the target on its own, or none)."""
-        return 0
+        m = self.spec.model
+        return len(ctx.tokens) - ctx.processed(m.cache_name) if m is not None else 0
 
     def catch_up_cost(self, num_tokens: int) -> float:
         """Seconds the drafter takes to read ``num_tokens`` unseen tokens of one request
-        (measured on an empty cache; 0 where :meth:`unseen_tokens` is always 0)."""
-        return 0.0
+        (the spec.model's forward of them on an empty cache; 0 without one)."""
+        from specdec.spec.forward_time import forward_time
 
-    @property
-    def draft_model(self) -> DecoderPipelineModel | None:
-        """The draft decoder whose one-token forward is T_draft(1) of the analytic limit (None: model-free)."""
-        return None
+        dm = self.spec.model
+        return forward_time(dm, num_tokens, num_tokens, repeats=3, stat="min") if dm is not None else 0.0
 
 
 P = TypeVar("P", bound=type[Proposer])

@@ -47,6 +47,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from specdec.core.backend import backend_of
 from specdec.core.context import TextContext
 from specdec.core.inputs import DecoderInputs, KVCacheTensors, MaskKind, move_tensors
 from specdec.core.kv_cache import OutOfBlocks, block_table_array
@@ -54,18 +55,19 @@ from specdec.core.pipeline_model import DecoderPipelineModel, compile_method, re
 from specdec.sampling import SamplingTensors, draw_drafts
 from specdec.spec.forward_time import bare_batch, forward_time, time_calls
 from specdec.spec.tree import (
+    StaticShape,
+    StaticShapes,
     TreeConfig,
     check_tree_fits,
-    expand_topk,
+    draft_dynamic_tree,
+    draft_static_tree,
     node_rows,
-    selected_tree,
-    static_tree_shape,
-    static_tree_tokens,
 )
 from specdec.spec.proposers.base import (
     CheckpointProposerConfig,
     DraftBatch,
     Drafter,
+    DrafterSpec,
     DraftTree,
     Proposer,
     ProposerDeps,
@@ -79,6 +81,8 @@ class DraftModelConfig(CheckpointProposerConfig):
     ``tree``: chain, or a static / dynamic top-k tree (CheckpointProposerConfig)."""
 
     path_is: ClassVar[str] = "the draft checkpoint directory"
+    zoo_dir: ClassVar[str] = "code-draft"
+    any_target: ClassVar[bool] = True  # a whole model: any target of its vocabulary
 
 
 @dataclass
@@ -105,17 +109,20 @@ class DraftModelDrafter(Drafter):
         # Compiled: a chain of the method's γ, greedy or sampled, runs its catch-up and
         # γ - 1 one-token steps in one graph (one call, not γ calls each paying dynamo's
         # guards and wrappers); other γ (adaptive γ's smaller ones) step by step.
-        # A decoder whose layers run as one C++ call (LlamaDecoder.runs_natively) has no
-        # per-call dynamo cost to save, and its forwards would break such a graph: none.
-        self._native_steps = bool(getattr(self.decoder, "runs_natively", False))
-        fuse = pipeline.runtime.compile and not self._native_steps
+        # A decoder whose backend is native (one C++ call) has no per-call dynamo cost to
+        # save, and its forwards would break such a graph: none (Backend.compile_around).
+        backend = backend_of(self.decoder)
+        # One request's greedy chain after its catch-up, as one call where the backend has it.
+        self._native_chain = backend.draft_chain
+        fuse = pipeline.runtime.compile and backend.compile_around
         self._fused = (compile_method(self, type(self)._draft_chain, pipeline.device)
                        if fuse and self.tree is None else None)
         # ... and a tree of the method's budget its catch-up and every level (forwards, top-k
         # expansion, selection).
         self._fused_tree = (compile_method(self, type(self)._draft_tree, pipeline.device)
                             if fuse and self.tree is not None else None)
-        self._static: dict[int, Any] = {}  # static tree cut to n nodes -> its tensors and host facts
+        self.static_shapes = (StaticShapes(self.tree.choices, pipeline.device)
+                              if self.tree is not None and self.tree.kind == "static" else None)
 
     def _rows(self, b: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         """The one-token steps' row indices for ``b`` requests (read-only, made once per size):
@@ -140,8 +147,7 @@ class DraftModelDrafter(Drafter):
             return DraftTree.chain(tokens, probs)  # greedy: probs None (q one-hot, left implicit)
         if batch.tree_slots is not None:
             assert self.tree is not None
-            dev = batch.tree_slots.device
-            static = self._static_shape(batch.gamma, dev) if self.tree.kind == "static" else None
+            static = self.static_shapes(batch.gamma) if self.static_shapes is not None else None
             args = (batch.tree_slots, batch.gather_slots, batch.first_position, batch.num_draft, kv,
                     batch.max_len, batch.gamma, static)
             if self._fused_tree is not None and batch.gamma == self.max_gamma:
@@ -150,18 +156,16 @@ class DraftModelDrafter(Drafter):
                 logits = self.decoder(batch.catch_up).logits  # [B, V]
                 self.caught_up()
                 tokens, parents, num_nodes = self._tree_drafts(logits, *args)
-            depth, kids = (self.tree.depth, self.tree.top_k) if static is None else (static[5], static[6])
+            depth, kids = ((self.tree.depth, self.tree.top_k) if static is None
+                           else (static.max_depth, static.max_children))
             return DraftTree(tokens=tokens, parents=parents, is_chain=False, num_nodes=num_nodes,
                              max_depth=depth, max_children=kids)
         logits = self.decoder(batch.catch_up).logits  # [B, V]
         self.caught_up()
-        if samp is None and logits.shape[0] == 1 and batch.step_positions.shape[0] and self._native_steps:
-            # One request, greedy, on a decoder whose forward is one C++ call: its γ - 1 steps
-            # (and their argmax) in one more (specdec_cpu::decoder_steps: _chain_steps' bits).
-            const = self.decoder._native_weights()
-            tokens = torch.ops.specdec_cpu.decoder_steps.default(
-                logits, batch.step_positions, batch.step_slots, batch.gather_slots, kv.k, kv.v,
-                self.decoder.rope_cos, self.decoder.rope_sin, *const)
+        if samp is None and logits.shape[0] == 1 and batch.step_positions.shape[0] and self._native_chain:
+            # One request, greedy, on a native decoder: its γ - 1 steps (and their argmax) in
+            # one more call (Backend.draft_chain: _chain_steps' bits).
+            tokens = self._native_chain(logits, batch.step_positions, batch.step_slots, batch.gather_slots, kv)
             return DraftTree.chain(tokens, None)
         tokens, probs = self._chain_steps(logits, batch.step_positions, batch.step_slots, batch.gather_slots, kv,
                                           *rows, samp, batch.first_position)
@@ -209,82 +213,27 @@ class DraftModelDrafter(Drafter):
 
     def _tree_drafts(self, logits: torch.Tensor, tree_slots: torch.Tensor, gather_slots: torch.Tensor,
                      first_position: torch.Tensor, num_draft: torch.Tensor, kv: KVCacheTensors, max_len: int,
-                     n: int, static: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     n: int, static: StaticShape | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A tree of ``n`` nodes per request (each request's best ``num_draft[b]``) from the
         catch-up's ``logits`` [B, V] -> (tokens [B, n], parents [B, n], num_nodes [B]).
         ``tree_slots`` [B, R]: draft KV slot of each tree row; ``gather_slots`` [B, S] /
         ``max_len``: each request's context (the root is its last key, ``first_position``
-        keys); ``static``: the static tree's shape (:meth:`_static_shape`), None for a
+        keys); ``static``: the static tree's shape (``static_shapes``), None for a
         dynamic tree."""
 
-        def run(tokens: torch.Tensor, own: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
-            """Logits [B, M, V] of ``M`` tree nodes per request, all at depth ``A + 1``, in
-            one forward: node ``(b, m)`` holds ``tokens[b, m]``, writes draft slot
-            ``own[b, m]`` and sees its request's context then its ``A`` ancestors' slots
-            ``anc[b, m]`` (root to parent). It is fed as a one-token request whose keys are
-            exactly those: its key index is its position."""
+        def step(tokens: torch.Tensor, state: torch.Tensor | None, own: torch.Tensor,
+                 anc: torch.Tensor) -> tuple[None, torch.Tensor]:
+            """The draft decoder's :data:`~specdec.spec.tree.NodeStep` (no state): each node
+            fed as a one-token request whose keys are exactly its request's context, its
+            ancestors' rows and its own, so its key index is its position."""
             b, m = tokens.shape
-            step = node_rows(tokens, own, anc, first_position, gather_slots, max_len, kv, exact_context=True)
-            return self.decoder(step).logits.view(b, m, -1)
+            rows = node_rows(tokens, own, anc, first_position, gather_slots, max_len, kv, exact_context=True)
+            return None, self.decoder(rows).logits.view(b, m, -1)
 
-        if static is None:
-            return self._dynamic_tree(run, logits, tree_slots, num_draft, n)
-        return self._static_tree(run, logits, tree_slots, num_draft, static)
-
-    def _dynamic_tree(self, run: Any, logits: torch.Tensor, tree_slots: torch.Tensor, num_draft: torch.Tensor,
-                      n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """EAGLE-2's tree with the draft model (tree.expand_topk, dynamic_tree_select)."""
-        cfg = self.tree
-        assert cfg is not None
-        k = cfg.top_k
-        b = logits.shape[0]
-        dev = logits.device
-        calls: list[tuple[torch.Tensor, torch.Tensor]] = []  # (anc, own) of each frontier run
-
-        def draft_fn(tok: torch.Tensor, front_parent: torch.Tensor) -> torch.Tensor:
-            c = len(calls)
-            own = tree_slots[:, c * k : (c + 1) * k]  # [B, K] rows of this frontier
-            if c == 0:
-                anc = own.new_zeros(b, k, 0)
-            else:  # the parent's ancestors, then the parent
-                pa, po = calls[c - 1]
-                anc = torch.cat([pa.gather(1, front_parent.unsqueeze(2).expand(-1, -1, c - 1)),
-                                 po.gather(1, front_parent).unsqueeze(2)], 2)
-            calls.append((anc, own))
-            return torch.log_softmax(run(tok, own, anc).float(), -1)
-
-        cand = expand_topk(torch.log_softmax(logits.float(), -1), draft_fn, cfg.depth, k)
-        m = cand.scores.shape[1]
-        scores = cand.scores.nan_to_num(nan=float("-inf"))
-        # Each request's own budget: its best num_draft[b] candidates (a tree: see dynamic_tree_select).
-        order = scores.sort(dim=1, descending=True, stable=True).indices
-        rank = torch.empty_like(order).scatter_(1, order, torch.arange(m, device=dev).expand(b, m))
-        scores = scores.masked_fill(rank >= num_draft.unsqueeze(1), float("-inf"))
-        return selected_tree(cand, scores, n)
-
-    def _static_shape(self, n: int, device: torch.device) -> Any:
-        """The static tree cut to its first ``n`` nodes (tree.static_tree_shape; made once per n)."""
-        if n not in self._static:
-            assert self.tree is not None and self.tree.choices is not None
-            self._static[n] = static_tree_shape(self.tree.choices, n, device)
-        return self._static[n]
-
-    def _static_tree(self, run: Any, logits: torch.Tensor, tree_slots: torch.Tensor, num_draft: torch.Tensor,
-                     shape: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The static tree ``shape`` (:meth:`_static_shape`), one draft forward per level but the last."""
-        par, ranks, levels, anc, kmax, _, _ = shape
-        b, n = logits.shape[0], par.shape[0]
-        top = logits.new_zeros(b, n + 1, kmax, dtype=torch.long)  # top tokens at each row (0: the root)
-        top[:, 0] = logits.topk(kmax, dim=-1).indices
-        tokens = logits.new_zeros(b, n, dtype=torch.long)
-        for d, (lo, hi) in enumerate(levels, start=1):
-            tokens[:, lo:hi] = static_tree_tokens(par[lo:hi], ranks[lo:hi], top)
-            if d < len(levels):  # this level's nodes have children: run them
-                own = tree_slots[:, lo:hi]
-                anc_slots = tree_slots.index_select(1, anc[lo:hi, : d - 1].reshape(-1)).view(b, hi - lo, d - 1)
-                lg = run(tokens[:, lo:hi], own, anc_slots)
-                top[:, lo + 1 : hi + 1] = lg.topk(kmax, dim=-1).indices
-        return tokens, par.expand(b, n), torch.minimum(num_draft, torch.full_like(num_draft, n))
+        if static is not None:
+            return draft_static_tree(step, logits, None, tree_slots, static, num_draft)
+        assert self.tree is not None
+        return draft_dynamic_tree(step, logits, None, tree_slots, self.tree, n, num_draft)
 
 
 @register_proposer("draft_model", DraftModelConfig)
@@ -294,10 +243,9 @@ class DraftModelProposer(Proposer):
     def __init__(self, config: DraftModelConfig, deps: ProposerDeps) -> None:
         self.config = config
         self.tree = config.tree if config.tree.is_tree else None
-        self.node_budget = self.tree is not None
         self.pipeline = registered_pipeline_model(
             config.path, deps.runtime, cache_name="draft",
-            extra_tokens=max(config.num_speculative_tokens, self._tree_rows(config.num_speculative_tokens)) + 1,
+            extra_tokens=max(g := config.num_speculative_tokens, config.tree.scratch_rows(g)) + 1,
         )
         self._tree_base: dict[int, int] = {}  # TextContext.key -> its draft cache length before this step's tree
         self._compiled: set[bool] = set()  # batch kinds (several requests or one) whose drafting graphs compiled
@@ -317,6 +265,13 @@ class DraftModelProposer(Proposer):
                             f"the draft's vocabulary at {config.path!r}")
         self.drafter = DraftModelDrafter(self.pipeline, self.tree, config.num_speculative_tokens)
 
+    def drafter_spec(self) -> DrafterSpec:
+        """Its draft decoder (costs, catch-up derived from it); a tree: γ is its node budget,
+        a dynamic tree runs ``depth`` forwards a step."""
+        t = self.tree
+        return DrafterSpec(model=self.pipeline, node_budget=t is not None,
+                           depth=t.depth if t is not None and t.kind == "dynamic" else None)
+
     @property
     def cache_name(self) -> str:
         return self.pipeline.cache_name
@@ -324,22 +279,15 @@ class DraftModelProposer(Proposer):
     def reserve(self, ctx: TextContext, gamma: int) -> None:
         self.pipeline.reserve(ctx, self.kv_tokens(len(ctx.tokens), gamma))
 
-    def _tree_rows(self, gamma: int) -> int:
-        """Draft KV rows a tree step writes after the context (0: chains)."""
-        t = self.tree
-        if t is None:
-            return 0
-        return (t.depth - 1) * t.top_k if t.kind == "dynamic" else gamma
-
     def kv_tokens(self, num_tokens: int, gamma: int) -> int:
         if self.tree is not None:
-            return num_tokens + self._tree_rows(gamma)
+            return num_tokens + self.tree.scratch_rows(gamma)
         return num_tokens + max(gamma - 1, 0)  # catch up on every unseen token, then γ - 1 drafts
 
     def _prepare_tree(self, batch: list[TextContext], gamma: int, num_draft: list[int]) -> DraftModelBatch:
         packed = self.pipeline.prepare(batch)  # the catch-up: the root's distribution
         bs = self.pipeline.caches[0].block_size
-        rows = self._tree_rows(gamma)
+        rows = self.tree.scratch_rows(gamma)
         lens = np.asarray([len(c.tokens) for c in batch], dtype=np.int64)  # [B] the first tree row's key index
         tbl = block_table_array([c.kv[self.cache_name].blocks for c in batch])  # [B, max_blocks]
         p = np.arange(int(lens.max()) + rows)
@@ -391,9 +339,6 @@ class DraftModelProposer(Proposer):
             gather_slots=torch.from_numpy(np.ascontiguousarray(gather)),  # fancy indexing may give F order
             max_len=int(lens.max()),
         ), self.pipeline.device)
-
-    def draft_cost(self, batch_size: int, context_len: int) -> float:
-        return forward_time(self.pipeline, 1, context_len, repeats=7, stat="min", requests=batch_size)
 
     def draft_forward_time(self, ctx_len: int, repeats: int = 10, *,
                            between: Callable[[], object] | None = None, warmup: int = 3) -> float:
@@ -452,16 +397,6 @@ class DraftModelProposer(Proposer):
                     self.drafter._fused(*args)
         except OutOfBlocks:  # no room for throwaway requests now: the graphs compile when first met
             pass
-
-    def unseen_tokens(self, ctx: TextContext) -> int:
-        return len(ctx.tokens) - ctx.processed(self.cache_name)
-
-    def catch_up_cost(self, num_tokens: int) -> float:
-        return forward_time(self.pipeline, num_tokens, num_tokens, repeats=3, stat="min")
-
-    @property
-    def draft_model(self) -> DecoderPipelineModel:
-        return self.pipeline
 
     def commit(self, ctx: TextContext, num_committed: int) -> None:
         # Keep the fed draft tokens that were accepted (they equal committed tokens);

@@ -60,20 +60,22 @@ from specdec.models.eagle import EagleHead, check_head_fits
 from specdec.sampling import SamplingTensors, draw_drafts
 from specdec.spec.forward_time import time_calls
 from specdec.spec.tree import (
+    StaticShape,
+    StaticShapes,
     TreeConfig,
     accepted_slot_moves,
-    compact_kv,
-    expand_topk,
-    node_rows,
-    selected_tree,
-    static_tree_shape,
     check_tree_fits,
+    compact_kv,
+    draft_dynamic_tree,
+    draft_static_tree,
+    node_rows,
     short_repr,
-    static_tree_tokens,
+    static_tree_shape,
 )
 from specdec.spec.proposers.base import (
     CheckpointProposerConfig,
     Drafter,
+    DrafterSpec,
     DraftTree,
     Proposer,
     ProposerDeps,
@@ -140,7 +142,8 @@ class EagleDrafter(Drafter):
         # top-k expansion, the selection) as one compiled graph too.
         self._fused_tree = (compile_method(self, type(self)._tree_drafts, fuse_on)
                             if fuse_on is not None and self.tree is not None else None)
-        self._static: dict[int, Any] = {}  # static tree cut to n nodes -> its tensors and host facts
+        self.static_shapes = (StaticShapes(self.tree.choices, next(head.parameters()).device)
+                              if self.tree is not None and self.tree.kind == "static" else None)
 
     def draft_after(self, step: TargetStep, gamma: int, sampling: SamplingTensors) -> DraftTree:
         host: EagleStepInputs = step.host
@@ -174,10 +177,11 @@ class EagleDrafter(Drafter):
         if self.tree is not None:
             assert host.tree_slots is not None
             fused = self._fused_tree is not None and gamma == self.max_gamma
-            shape = self.static_shape(gamma, logits.device) if self.tree.kind == "static" else None
+            shape = self.static_shapes(gamma) if self.static_shapes is not None else None
             tokens, parents, num_nodes = (self._fused_tree if fused else self._tree_drafts)(
                 logits, h, pos0, host.tree_slots, host.gather_slots, host.kv, host.max_ctx, gamma, shape)
-            depth, kids = (self.tree.depth, self.tree.top_k) if shape is None else (shape[5], shape[6])
+            depth, kids = ((self.tree.depth, self.tree.top_k) if shape is None
+                           else (shape.max_depth, shape.max_children))
             return DraftTree(tokens=tokens, parents=parents, is_chain=False, num_nodes=num_nodes,
                              max_depth=depth, max_children=kids)
         # Step j feeds the pair (own state, draft j) at position pos0 + 1 + j; its keys run
@@ -213,110 +217,41 @@ class EagleDrafter(Drafter):
     # -- token trees ----------------------------------------------------------------
     def _tree_drafts(self, logits: torch.Tensor, h0: torch.Tensor, pos0: torch.Tensor, tree_slots: torch.Tensor,
                      gather_slots: torch.Tensor, kv: KVCacheTensors, max_ctx: int, n: int,
-                     static: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     static: StaticShape | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A tree of ``n`` nodes per request from the catch-up's ``logits`` [B, V] and
         state ``h0`` [B, H] at the bonus rows' positions ``pos0`` [B] -> (tokens [B, n],
         parents [B, n], num_nodes [B]). ``tree_slots`` [B, R]: each request's scratch
         head slots; ``gather_slots`` [B, S] / ``max_ctx``: its committed head keys (host
-        packing); ``static``: the static tree's shape (:meth:`static_shape`), None for a
+        packing); ``static``: the static tree's shape (``static_shapes``), None for a
         dynamic tree. Tensors in but the sizes, for ``torch.compile`` to take whole."""
 
-        def run(tokens: torch.Tensor, feature: torch.Tensor, own: torch.Tensor,
-                anc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            """``M`` nodes per request, all at depth ``A + 1``, in one head forward ->
-            (h [B, M, H], logits [B, M, V]). Node ``(b, m)`` is the pair (its parent's h
-            ``feature[b, m]``, its token ``tokens[b, m]``) at position ``pos0[b] + 1 + A``;
-            it writes scratch slot ``own[b, m]`` and, fed as a one-token request, reads its
-            request's committed keys (positions ``0 … pos0[b]``; a request's may end before
-            ``max_ctx``: always masked), its ``A`` ancestors' slots ``anc[b, m]`` (root side
-            first), then its own: key index == position."""
+        def step(tokens: torch.Tensor, feature: torch.Tensor | None, own: torch.Tensor,
+                 anc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """The head's :data:`~specdec.spec.tree.NodeStep`: node ``(b, m)`` is the pair (its
+            parent's h ``feature[b, m]``, its token) at position ``pos0[b] + 1 + A``; its keys
+            are its request's committed ones (positions ``0 … pos0[b]``; a request's may end
+            before ``max_ctx``: always masked), its ancestors', then its own."""
+            assert feature is not None
             b, m = tokens.shape
             one = node_rows(tokens, own, anc, pos0 + 1, gather_slots, max_ctx, kv, exact_context=False)
             h, lg = self.head(one, feature.reshape(b * m, -1))
             return h.view(b, m, -1), lg.view(b, m, -1)
 
-        if static is None:
-            return self._dynamic_tree(run, h0, logits, tree_slots, n)
-        return self._static_tree(run, h0, logits, tree_slots, static)
-
-    def _dynamic_tree(self, run: Any, h0: torch.Tensor, logits: torch.Tensor, tree_slots: torch.Tensor,
-                      n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """EAGLE-2's tree with the head (tree.expand_topk, dynamic_tree_select), ``n`` nodes."""
-        cfg = self.tree
-        assert cfg is not None
-        k = cfg.top_k
-        b = logits.shape[0]
-        calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (anc, own, h) of each frontier run
-
-        def draft_fn(tok: torch.Tensor, front_parent: torch.Tensor) -> torch.Tensor:
-            c = len(calls)
-            own = tree_slots[:, c * k : (c + 1) * k]  # [B, K] scratch rows of this frontier
-            if c == 0:
-                anc = own.new_zeros(b, k, 0)
-                feat = h0.unsqueeze(1).expand(b, k, h0.shape[-1])
-            else:  # the parent's ancestors, then the parent
-                pa, po, ph = calls[c - 1]
-                anc = torch.cat([pa.gather(1, front_parent.unsqueeze(2).expand(-1, -1, c - 1)),
-                                 po.gather(1, front_parent).unsqueeze(2)], 2)
-                feat = ph.gather(1, front_parent.unsqueeze(2).expand(-1, -1, ph.shape[-1]))
-            hh, lg = run(tok, feat, own, anc)
-            calls.append((anc, own, hh))
-            return torch.log_softmax(lg.float(), -1)
-
-        cand = expand_topk(torch.log_softmax(logits.float(), -1), draft_fn, cfg.depth, k)
-        return selected_tree(cand, cand.scores.nan_to_num(nan=float("-inf")), n)
-
-    def static_shape(self, n: int, device: torch.device | str = "cpu") -> Any:
-        """The static tree cut to its first ``n`` nodes: (parents, ranks, levels
-        [(lo, hi)], ancestors [n, D-1], top-k needed, max depth, max children)."""
-        if n not in self._static:
-            assert self.tree is not None and self.tree.choices is not None
-            self._static[n] = static_tree_shape(self.tree.choices, n, device)
-        return self._static[n]
-
-    def _static_tree(self, run: Any, h0: torch.Tensor, logits: torch.Tensor, tree_slots: torch.Tensor,
-                     shape: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The static tree ``shape`` (:meth:`static_shape`), one head forward per level but the last."""
-        par, ranks, levels, anc, kmax, _, _ = shape
-        b, n = logits.shape[0], par.shape[0]
-        top = logits.new_zeros(b, n + 1, kmax, dtype=torch.long)  # top tokens at each row (0: the root)
-        top[:, 0] = logits.topk(kmax, dim=-1).indices
-        hs = h0.new_zeros(b, n + 1, h0.shape[-1])  # the head's h at each row (0: the root)
-        hs[:, 0] = h0
-        tokens = logits.new_zeros(b, n, dtype=torch.long)
-        for d, (lo, hi) in enumerate(levels, start=1):
-            tokens[:, lo:hi] = static_tree_tokens(par[lo:hi], ranks[lo:hi], top)
-            if d < len(levels):  # this level's nodes have children: run them
-                own = tree_slots[:, lo:hi]
-                anc_slots = tree_slots.index_select(1, anc[lo:hi, : d - 1].reshape(-1)).view(b, hi - lo, d - 1)
-                feat = hs.index_select(1, par[lo:hi] + 1)  # [B, M, H] the parents' h
-                hh, lg = run(tokens[:, lo:hi], feat, own, anc_slots)
-                hs[:, lo + 1 : hi + 1] = hh
-                top[:, lo + 1 : hi + 1] = lg.topk(kmax, dim=-1).indices
-        return tokens, par.expand(b, n), torch.full((b,), n, dtype=torch.long, device=logits.device)
+        if static is not None:
+            return draft_static_tree(step, logits, h0, tree_slots, static)
+        assert self.tree is not None
+        return draft_dynamic_tree(step, logits, h0, tree_slots, self.tree, n)
 
 
 @register_proposer("eagle", EagleConfig)
 class EagleProposer(Proposer):
     """Host half: loads the head, keeps its paged KV cache in step with the target's."""
 
-    drafts_after_verify = True
-    samples_drafts = True
-    needs_all_rows = True
     kind = "eagle"
 
     def __init__(self, config: EagleConfig, deps: ProposerDeps) -> None:
         self.config = config
         self.tree = config.tree if config.tree.is_tree else None
-        if self.tree is not None:  # top-k trees: deterministic drafts (no q), their shapes in the store
-            self.drafts_trees = self.node_budget = True
-            self.samples_drafts = False  # type: ignore[misc]
-            g = config.num_speculative_tokens
-            if self.tree.kind == "dynamic":
-                self.tree_facts = (self.tree.depth, self.tree.top_k)
-            elif g:
-                shape = static_tree_shape(self.tree.choices, g)
-                self.tree_facts = (shape[5], shape[6])
         target, rt = deps.target, deps.runtime
         tcfg = target.config
         self.vocab_size = tcfg.vocab_size
@@ -340,7 +275,7 @@ class EagleProposer(Proposer):
             if len(layers) != 3 or bad:
                 raise ValueError(f"method.eagle3.aux_layers={list(layers)}: need three layers of the target "
                                  f"(0..{tcfg.num_hidden_layers}; {tcfg.num_hidden_layers}: the last one's output)")
-        self.target_layers = layers
+        self._target_layers = layers
         built = target.build_module()  # the target module the step calls: borrow its embedding and head
         head.attach_target(built.model.embed_tokens, built.lm_head)
         head.prepare_for_inference()
@@ -352,7 +287,7 @@ class EagleProposer(Proposer):
         self.head = head
         g = config.num_speculative_tokens
         # Room for everything the target holds plus each request's 2γ+1 lookahead (and tree rows).
-        per_req = -(-(2 * g + 1 + self._tree_rows(g)) // rt.block_size)
+        per_req = -(-(2 * g + 1 + config.tree.scratch_rows(g)) // rt.block_size)
         blocks = target.num_blocks + rt.max_batch_size * per_req
         lc = head.config.layer
         self.cache = PagedKVCache(KVCacheParams(num_layers=1, num_kv_heads=lc.num_key_value_heads,
@@ -364,6 +299,23 @@ class EagleProposer(Proposer):
         self.drafter = EagleDrafter(head, self.tree, max_gamma=g, fuse_on=self.device if rt.compile else None)
         self._index: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
+    def drafter_spec(self) -> DrafterSpec:
+        """Drafts after verification from the target's features (every packed row, and the
+        inputs of its fused layers); sampled chains, or top-k trees (deterministic, no q)
+        whose shapes the store keeps. Its head times itself (draft_cost …)."""
+        tree, g = self.tree, self.config.num_speculative_tokens
+        after = DrafterSpec(drafts_after_verify=True, needs_all_rows=True, target_layers=self._target_layers)
+        if tree is None:
+            return replace(after, samples_drafts=True)
+        facts: tuple[int | None, int | None] = (None, None)
+        depth = None
+        if tree.kind == "dynamic":
+            facts, depth = (tree.depth, tree.top_k), tree.depth
+        elif g:
+            shape = static_tree_shape(tree.choices, g)
+            facts = (shape.max_depth, shape.max_children)
+        return replace(after, drafts_trees=True, node_budget=True, tree_facts=facts, depth=depth)
+
     # -- KV bookkeeping ----------------------------------------------------------------
     def _table(self, ctx: TextContext) -> BlockTable:
         table = ctx.kv.get(self.cache.name)
@@ -371,16 +323,9 @@ class EagleProposer(Proposer):
             table = ctx.kv[self.cache.name] = BlockTable()
         return table
 
-    def _tree_rows(self, gamma: int) -> int:
-        """Head KV rows a tree's drafting writes past every fed row (0: chains)."""
-        t = self.tree
-        if t is None:
-            return 0
-        return (t.depth - 1) * t.top_k if t.kind == "dynamic" else gamma
-
     def kv_tokens(self, num_tokens: int, gamma: int) -> int:
         # rows fed (≤ tokens + γ) and γ - 1 draft steps past them, or a tree's scratch rows
-        return num_tokens + 2 * gamma + 1 + self._tree_rows(gamma)
+        return num_tokens + 2 * gamma + 1 + self.config.tree.scratch_rows(gamma)
 
     def reserve(self, ctx: TextContext, gamma: int) -> None:
         self.cache.reserve(self._table(ctx), self.kv_tokens(len(ctx.tokens), gamma))
@@ -412,7 +357,7 @@ class EagleProposer(Proposer):
         ctx_len = starts + ln  # [B]
         bs = self.cache.block_size
         tbl = block_table_array([t.blocks for t in tables])  # [B, max_blocks]
-        rows = self._tree_rows(gamma)
+        rows = self.config.tree.scratch_rows(gamma)  # a tree's scratch rows (0: a chain)
         width = int(ctx_len.max()) + max(gamma, 1, rows)  # catch-up keys, then γ - 1 draft positions / tree rows
         p = np.arange(width)
         gather = tbl[:, np.minimum(p // bs, tbl.shape[1] - 1)] * bs + p % bs  # [B, S]

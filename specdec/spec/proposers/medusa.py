@@ -39,6 +39,7 @@ from specdec.sampling import SamplingTensors, draw_drafts
 from specdec.spec.proposers.base import (
     CheckpointProposerConfig,
     Drafter,
+    DrafterSpec,
     DraftTree,
     Proposer,
     ProposerDeps,
@@ -46,7 +47,7 @@ from specdec.spec.proposers.base import (
     register_proposer,
 )
 from specdec.spec.forward_time import time_calls
-from specdec.spec.tree import check_tree_fits
+from specdec.spec.tree import StaticShape, StaticShapes, check_tree_fits
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class MedusaDrafter(Drafter):
         super().__init__()
         self.heads = heads
         self.choices: tuple[tuple[int, ...], ...] | None = None  # a static tree (Medusa choices)
-        self._static: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]] = {}
+        self._shapes: StaticShapes | None = None  # the static tree's shapes per node budget
 
     def draft_after(self, step: TargetStep, gamma: int, sampling: SamplingTensors) -> DraftTree:
         b = step.num_accepted.shape[0]
@@ -95,37 +96,27 @@ class MedusaDrafter(Drafter):
         pos = (step.first_position + step.num_accepted).unsqueeze(1) + 2 + torch.arange(gamma, device=h.device)
         return DraftTree.chain(*draw_drafts(logits, None if sampling.all_greedy else sampling, pos))
 
-    def static_shape(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-        """The static tree cut to its first ``n`` choices (as listed): parents, ranks, depths [n], max depth, max children."""
-        if n not in self._static:
-            from specdec.spec.tree import static_tree
-
+    def static_shape(self, n: int) -> StaticShape:
+        """The static tree cut to its first ``n`` choices (as listed)."""
+        if self._shapes is None:
             assert self.choices is not None
-            t = static_tree(self.choices, n)
-            dev = self.heads.block(0).linear.weight.device
-            par, ranks, dep = t.parents, t.ranks, t.depths
-            kids = torch.bincount(par + 1, minlength=n + 1)
-            self._static[n] = (par.to(dev), ranks.to(dev), dep.to(dev), int(dep.max()), int(kids.max()))
-        return self._static[n]
+            self._shapes = StaticShapes(self.choices, self.heads.block(0).linear.weight.device)
+        return self._shapes(n)
 
     def tree_tokens(self, h: torch.Tensor, n: int) -> DraftTree:
         """The static tree (first ``n`` nodes): node ``i`` = the ``ranks[i]``-th top token of
         head ``depth[i] - 1`` (Medusa's candidates: one distribution per depth)."""
-        par, ranks, dep, max_depth, max_kids = self.static_shape(n)
-        k = int(ranks.max()) + 1
-        topk = self.heads(h, max_depth).topk(k, dim=-1).indices  # [B, D, k]
+        shape = self.static_shape(n)
+        topk = self.heads(h, shape.max_depth).topk(shape.top_k, dim=-1).indices  # [B, D, k]
         b = h.shape[0]
-        return DraftTree(tokens=topk[:, dep - 1, ranks], parents=par.expand(b, n), is_chain=False,
-                         num_nodes=torch.full((b,), n, dtype=torch.long, device=h.device),
-                         max_depth=max_depth, max_children=max_kids)
+        return DraftTree(tokens=topk[:, shape.depths - 1, shape.ranks], parents=shape.parents.expand(b, n),
+                         is_chain=False, num_nodes=torch.full((b,), n, dtype=torch.long, device=h.device),
+                         max_depth=shape.max_depth, max_children=shape.max_children)
 
 
 @register_proposer("medusa", MedusaConfig)
 class MedusaProposer(Proposer):
     """Host half: loads the heads; nothing per request (no KV cache, no state beyond the drafts)."""
-
-    drafts_after_verify = True
-    samples_drafts = True
 
     def __init__(self, config: MedusaConfig, deps: ProposerDeps) -> None:
         self.config = config
@@ -139,21 +130,30 @@ class MedusaProposer(Proposer):
         self.heads = heads
         self.drafter = MedusaDrafter(heads)
         tree = config.tree if config.tree.is_tree else None
-        if tree is None:
-            self.max_speculative_tokens = heads.num_heads  # head i drafts the token i + 2 ahead: at most K
-        else:  # top-k trees: deterministic drafts (no q), their shapes kept in the store
-            self.drafts_trees = self.node_budget = True
-            self.samples_drafts = False  # type: ignore[misc]
+        self._tree_facts: tuple[int | None, int | None] | None = None  # a tree's (depth, max children)
+        if tree is not None:
+            self._tree_facts = (None, None)
             self.drafter.choices = tuple(tuple(c) for c in tree.choices)
             g = config.num_speculative_tokens
             check_tree_fits(config.key("tree"), tree, g, heads.config.vocab_size,
                             f"the heads' vocabulary at {config.path!r}")
             if g:
-                _, _, _, depth, kids = self.drafter.static_shape(g)
+                shape = self.drafter.static_shape(g)
+                depth, kids = shape.max_depth, shape.max_children
                 if depth > heads.num_heads:
                     raise ValueError(f"{config.key('tree.choices')}: its first {g} nodes reach depth {depth}; the "
                                      f"heads at {config.path!r} draft at most {heads.num_heads} levels (K heads)")
-                self.tree_facts = (depth, kids)
+                self._tree_facts = (depth, kids)
+
+    def drafter_spec(self) -> DrafterSpec:
+        """Drafts after verification from the target's last hidden state: a sampled chain of at
+        most K (head i drafts the token i + 2 ahead), or a top-k tree (deterministic, no q)
+        whose shapes the store keeps. Its heads time themselves (one pass a step: draft_cost …)."""
+        if self._tree_facts is None:
+            return DrafterSpec(drafts_after_verify=True, samples_drafts=True,
+                               max_speculative_tokens=self.heads.num_heads)
+        return DrafterSpec(drafts_after_verify=True, drafts_trees=True, node_budget=True,
+                           tree_facts=self._tree_facts)
 
     @property
     def num_heads(self) -> int:

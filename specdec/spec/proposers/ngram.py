@@ -50,6 +50,7 @@ from specdec.sampling import SamplingTensors
 from specdec.spec.proposers.base import (
     DraftBatch,
     Drafter,
+    DrafterSpec,
     DraftTree,
     Proposer,
     ProposerConfig,
@@ -202,10 +203,12 @@ def lookup_tree(tokens: list[int], index: _Index, max_n: int, min_n: int, k: int
 class NgramProposer(Proposer):
     def __init__(self, config: NgramConfig, deps: ProposerDeps | None = None) -> None:
         self.config = config
-        self.node_budget = config.branches > 1
         self.drafter = NgramDrafter()
         self._index: dict[int, _Index] = {}  # by TextContext.key (ids may repeat across engines)
         self.device = torch.device(deps.runtime.device if deps is not None else "cpu")
+
+    def drafter_spec(self) -> DrafterSpec:
+        return DrafterSpec(node_budget=self.config.branches > 1)  # branches: γ is the tree's node budget
 
     def prepare(self, batch: list[TextContext], gamma: int, num_draft: list[int]) -> NgramDraftBatch:
         cfg = self.config
