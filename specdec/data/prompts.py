@@ -58,6 +58,9 @@ class DataConfig:
     chat_time_limit_s: float = DEFAULT_CHAT_TIME_LIMIT_S
     chat_max_chars: int = DEFAULT_CHAT_MAX_CHARS
     limit: int | None = None
+    # At most this many prompts of each source (category), in file order: a few of every
+    # Spec-Bench category rather than the first N of the file. null: no such bound.
+    limit_per_source: int | None = None
     max_prompt_tokens: int | None = None  # keep each prompt's last N tokens (each turn's, in a conversation)
 
     def __post_init__(self) -> None:
@@ -72,6 +75,8 @@ class DataConfig:
             raise ValueError(f"data.chat_max_chars must be >= 1, got {self.chat_max_chars}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"data.limit must be >= 1 or null, got {self.limit}")
+        if self.limit_per_source is not None and self.limit_per_source < 1:
+            raise ValueError(f"data.limit_per_source must be >= 1 or null, got {self.limit_per_source}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError(f"data.max_prompt_tokens must be >= 1 or null, got {self.max_prompt_tokens}")
 
@@ -137,12 +142,14 @@ def _parse_line(obj: Any, cfg: DataConfig, where: str, lineno: int) -> Prompt:
 
 
 def load_prompts(cfg: DataConfig) -> list[Prompt]:
-    """The prompts of ``cfg.path`` in file order (the first ``cfg.limit`` when set)."""
+    """The prompts of ``cfg.path`` in file order (the first ``cfg.limit`` when set; at most
+    ``cfg.limit_per_source`` of each source)."""
     path = Path(cfg.path)
     if not path.is_file():
         raise PromptDataError(f"data.path: prompt file {str(path)!r} does not exist")
     prompts: list[Prompt] = []
     seen: dict[str, int] = {}
+    per_source: dict[str | None, int] = {}
     with path.open("rb") as fh:
         for lineno, raw in enumerate(fh, 1):
             where = f"{path}:{lineno}"
@@ -163,6 +170,10 @@ def load_prompts(cfg: DataConfig) -> list[Prompt]:
             if p.id in seen:
                 raise PromptDataError(f"{where}: duplicate prompt id {p.id!r} (first on line {seen[p.id]})")
             seen[p.id] = lineno
+            if cfg.limit_per_source is not None:
+                per_source[p.source] = per_source.get(p.source, 0) + 1
+                if per_source[p.source] > cfg.limit_per_source:
+                    continue
             prompts.append(p)
             if cfg.limit is not None and len(prompts) >= cfg.limit:
                 break

@@ -115,6 +115,7 @@ from specdec.experiment.runner import Request, Runner, request_seed
 from specdec.experiment.summary import TABLE_COLUMNS, request_metrics, summarize, table_rows
 from specdec.experiment.sweep import SweepPlots
 from specdec.logging import RunLogger, build_logger, summary_table
+from specdec.zoo_fetch import resolve_target
 
 __all__ = [
     "ExperimentError",
@@ -197,6 +198,7 @@ def run_experiment(cfg: DictConfig | RunConfig, *, run_dir: str | Path | None = 
 def _run(cfg: DictConfig | RunConfig, run_dir: str | Path | None) -> dict[str, Any]:
     rc = to_run_config(cfg)
     comps = build_components(rc)
+    comps.target = resolve_target(comps.target)  # a fetchable name (target=smollm2): its cached file
     check_checkpoints(comps)
     from specdec.dist import data_parallel as dp
 

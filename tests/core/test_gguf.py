@@ -60,7 +60,7 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """``write(qtype, tie=False, override={})`` -> (gguf path, the fp32 HF model it was made from)."""
-    from conftest import _model_cls, tiny_hf_config
+    from tests.conftest import _model_cls, tiny_hf_config
 
     tokens, merges = _tokenizer()
     made: dict = {}
