@@ -124,6 +124,41 @@ def test_our_kernels_give_the_same_bits_on_one_thread_as_on_two():
 
 
 @needs_kernels
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32-panels", "bf16-panels"])
+def test_every_row_count_up_to_64_gives_a_row_the_bits_it_gets_alone(bf16):
+    # A verify pass of gamma + 1 rows, a batch of requests: the kernel blocks rows in
+    # registers (several rows per weight load, a tail of fewer), and every split of 1..64
+    # rows must give each row the sums it gets alone, with and without a bias.
+    for bias in (False, True):
+        layer = _linear(256, 320, torch.float32, bias=bias)
+        if bf16:
+            with torch.no_grad():
+                layer.weight.copy_(layer.weight.to(torch.bfloat16).float())
+        assert layer.pack("specdec") and layer.packed.dtype == (torch.bfloat16 if bf16 else torch.float32)
+        x = torch.randn(67, 256)
+        with torch.inference_mode():
+            alone = torch.cat([layer(x[i : i + 1]) for i in range(67)])
+            for m in range(1, 65):
+                for s in (0, 3):
+                    assert torch.equal(layer(x[s : s + m]), alone[s : s + m]), (m, s, bias)
+
+
+@needs_kernels
+def test_the_kernel_benchmarks_timer_times_each_product_and_names_a_mismatch():
+    # specdec_cpu::row_linear_timed (experiments/bench/kernel.py): a forward's products back
+    # to back, one time per product and pass; a list that does not line up is named.
+    layers = [_linear(64, 128, torch.float32, bias=False), _linear(128, 64, torch.float32, bias=False)]
+    assert all(m.pack("specdec") for m in layers)
+    xs, packed = [torch.randn(3, 64), torch.randn(3, 128)], [m.packed for m in layers]
+    secs = torch.ops.specdec_cpu.row_linear_timed(xs, packed, [128, 64], 4)
+    assert secs.shape == (4, 2) and secs.dtype == torch.float64 and bool((secs >= 0).all())
+    with pytest.raises(RuntimeError, match="want as many x as packed weights and out_features"):
+        torch.ops.specdec_cpu.row_linear_timed(xs, packed[:1], [128, 64], 1)
+    with pytest.raises(RuntimeError, match="packed weight .* does not serve"):
+        torch.ops.specdec_cpu.row_linear_timed(xs[::-1], packed, [128, 64], 1)
+
+
+@needs_kernels
 @pytest.mark.parametrize("d", [256, 16, 40])  # a row of whole vectors, a Qwen3 head, a ragged tail
 def test_packed_rms_norm_computes_f_rms_norm_per_row(d):
     norm = RMSNorm(d, 1e-6)

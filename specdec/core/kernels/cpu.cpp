@@ -36,6 +36,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cmath>
 #include <cstring>
@@ -695,12 +696,72 @@ at::Tensor decoder_steps(const at::Tensor& logits, const at::Tensor& step_positi
   return drafts;
 }
 
+// row_linear_timed: the products y_i = x_i W_i^T for i in order (linear_to, as decoder_forward
+// runs them), ``passes`` times; the seconds of each, [passes, products] float64. For a kernel
+// benchmark (experiments/bench/kernel.py): a forward's projections back to back, no Python
+// between them, each timed alone (on a shared machine a short interval's median skips the
+// time slices another process took).
+at::Tensor row_linear_timed(at::TensorList x, at::TensorList packed, at::IntArrayRef out_features, int64_t passes) {
+  TORCH_CHECK(x.size() == packed.size() && x.size() == out_features.size(),
+              "specdec::row_linear_timed: want as many x as packed weights and out_features, got ", x.size(), ", ",
+              packed.size(), ", ", out_features.size());
+  std::vector<at::Tensor> xs, ys;
+  for (size_t i = 0; i < x.size(); ++i) {
+    TORCH_CHECK(x[i].dim() == 2 && x[i].scalar_type() == at::kFloat && x[i].device().is_cpu(),
+                "specdec::row_linear_timed: x[", i, "]: want float32 CPU [rows, in], got ", x[i].sizes());
+    xs.push_back(x[i].contiguous());
+    ys.push_back(at::empty({x[i].size(0), out_features[i]}, xs.back().options()));
+  }
+  const int64_t n = static_cast<int64_t>(xs.size());
+  at::Tensor secs = at::empty({passes, n}, at::TensorOptions().dtype(at::kDouble));
+  double* sp = secs.mutable_data_ptr<double>();
+  for (int64_t p = 0; p < passes; ++p) {
+    auto t = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < n; ++i) {
+      linear_to(xs[i].const_data_ptr<float>(), xs[i].size(0), xs[i].size(1), packed[i], std::nullopt, out_features[i],
+                ys[i].mutable_data_ptr<float>());
+      const auto u = std::chrono::steady_clock::now();
+      sp[p * n + i] = std::chrono::duration<double>(u - t).count();
+      t = u;
+    }
+  }
+  return secs;
+}
+
+// fma_peak: the CPU's float32 multiply-add peak, GFLOP/s, on torch's threads: each thread runs
+// ``iters`` rounds of 12 independent vector FMA chains (enough to cover the FMA latency on
+// 2 pipes) — the FLOP roof a projection kernel is measured against (keep a run short, ~0.1 ms,
+// and take the best of many on a shared machine).
+double fma_peak(int64_t iters) {
+  const int threads = at::get_num_threads();
+  std::vector<float> sink(threads);
+  const auto t0 = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      vf a[12], m = vf{} + 1.0000001f, c = vf{} + 1e-7f;
+      for (int j = 0; j < 12; ++j) a[j] = vf{} + static_cast<float>(j);
+      for (int64_t i = 0; i < iters; ++i)
+        for (int j = 0; j < 12; ++j) {
+          a[j] = a[j] * m + c;
+          __asm__("" : "+x"(a[j]));  // keep every FMA
+        }
+      float s = 0;
+      for (int j = 0; j < 12; ++j) s += a[j][0];
+      sink[t] = s;
+    }
+  });
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return 2.0 * L * 12 * static_cast<double>(iters) * threads / secs / 1e9 + 0 * sink[0];
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specdec_cpu, m) {
   m.def("row_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("row_linear_pack(Tensor weight) -> Tensor");
   m.def("huge_empty(int nbytes) -> Tensor");
+  m.def("fma_peak(int iters) -> float");
+  m.def("row_linear_timed(Tensor[] x, Tensor[] packed, int[] out_features, int passes) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor? mask, bool causal, float scale) -> Tensor");
   // (The step's operands first, then the module's: weights, dims, eps, head, vocab, scale.)
@@ -715,11 +776,15 @@ TORCH_LIBRARY(specdec_cpu, m) {
         "int[] dims, float eps, Tensor final_norm, Tensor head, Tensor? head_bias, int vocab, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(specdec_cpu, CompositeExplicitAutograd, m) { m.impl("huge_empty", huge_empty); }
+TORCH_LIBRARY_IMPL(specdec_cpu, CompositeExplicitAutograd, m) {
+  m.impl("huge_empty", huge_empty);
+  m.impl("fma_peak", fma_peak);
+}
 
 TORCH_LIBRARY_IMPL(specdec_cpu, CPU, m) {
   m.impl("row_linear", row_linear);
   m.impl("row_linear_pack", pack);
+  m.impl("row_linear_timed", row_linear_timed);
   m.impl("rms_norm", rms_norm);
   m.impl("paged_attention", paged_attention);
   m.impl("decoder_forward", decoder_forward);
