@@ -484,17 +484,3 @@ def _token_ids(prompt: object) -> list[int]:
         raise ValueError(f"token ids must be integers (not bool), got {bad[:5]}")
     return tokens
 
-
-def generate_ids(
-    engine: Engine,
-    prompts: Iterable[Sequence[int]],
-    sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-) -> list[TextContext]:
-    """Runs ``prompts`` to completion; returns their contexts in prompt order."""
-    prompts = list(prompts)
-    params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
-    if len(params) != len(prompts):
-        raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-    ctxs = [engine.add_request(p, s) for p, s in zip(prompts, params)]
-    engine.run()
-    return ctxs

@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from specdec.core.context import SamplingParams, Status
 from specdec.core.kv_cache import BlockAllocator
 from specdec.core.pipeline_model import PlainGeneration, RuntimeConfig, registered_pipeline_model
-from specdec.engine import Engine, EngineConfig, generate_ids
+from specdec.engine import Engine, EngineConfig
+
+from engine_helpers import generate_ids  # tests/engine_helpers.py
 
 MAX_SEQ = 256
 BLOCK = 8
@@ -388,11 +390,6 @@ def test_stops_at_max_new_tokens(n, big_pipeline, long_reference):
     prompt, ref, _ = long_reference
     (c,), _ = _run(big_pipeline, [prompt], SamplingParams(max_new_tokens=n, ignore_eos=True))
     assert c.finish_reason == "length" and c.generated == ref[:n]
-
-
-def test_generate_ids_checks_params_length(big_pipeline):
-    with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
-        generate_ids(_engine(big_pipeline), [[1, 2]], [GREEDY, GREEDY])
 
 
 def test_engine_config_validates():

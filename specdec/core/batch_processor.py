@@ -139,12 +139,6 @@ class DecoderBatchProcessor:
             draft_index = draft_index.to(rt.device, non_blocking=True)
         return PackedBatch(inputs, ctxs, num_new, look, draft_index, return_n_logits, state_slots)
 
-    def prepare_next_token_inputs(self, replica_batches: Sequence[Sequence[TextContext]]) -> PackedBatch:
-        """The decode-step path: only each request's one new token."""
-        return self.prepare_initial_token_inputs(
-            replica_batches, num_tokens=[1] * sum(len(rb) for rb in replica_batches)
-        )
-
     def process_outputs(self, outputs: Sequence[DecoderOutputs | object], batch: PackedBatch | None = None) -> ModelOutputs:
         """Maps the replicas' raw outputs to one :class:`ModelOutputs`."""
         outs = [o for o in outputs if isinstance(o, DecoderOutputs)]

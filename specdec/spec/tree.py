@@ -105,7 +105,6 @@ __all__ = [
     "static_tree_tokens",
     "tree_attention_mask",
     "tree_lane",
-    "tree_positions",
     "valid_nodes",
     "verify_tree_greedy",
     "verify_tree_sampled",
@@ -282,17 +281,6 @@ def depths(parents: torch.Tensor, num_nodes: torch.Tensor | None = None) -> torc
     """
     d = ancestor_mask(parents, num_nodes).sum(-1)  # self + ancestors = depth
     return torch.where(valid_nodes(parents, num_nodes), d, 0)
-
-
-def tree_positions(parents: torch.Tensor, start: torch.Tensor, num_nodes: torch.Tensor | None = None) -> torch.Tensor:
-    """``[B, N+1]`` int64: the sequence position of each row (row 0 the root).
-
-    ``start [B]`` is the root's position; row ``i + 1`` sits at
-    ``start + depth(i)``: a node has the position it would have in its own
-    root-to-node chain. (Padding rows get ``start``.)
-    """
-    d = depths(parents, num_nodes)  # [B, N]
-    return start.unsqueeze(1) + torch.cat([torch.zeros_like(d[:, :1]), d], dim=1)
 
 
 def tree_attention_mask(parents: torch.Tensor, num_nodes: torch.Tensor | None = None) -> torch.Tensor:

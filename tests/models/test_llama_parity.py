@@ -120,7 +120,7 @@ def test_cached_decode_logits_parity(kind, tie, hf_checkpoint, hf_logits, pipeli
         for s in range(steps):
             for c, cont in zip(ctxs, conts):
                 c.tokens.append(cont[s])
-            out = pm.execute(pm.processor.prepare_next_token_inputs([ctxs]))
+            out = pm.execute(pm.processor.prepare_initial_token_inputs([ctxs], num_tokens=[1] * len(ctxs)))
             assert out.logits.shape == (2, v)
             for i in range(2):
                 got[i].append(out.logits[i])
@@ -177,7 +177,8 @@ def test_decoding_requests_beside_prompts_in_attention_groups(kind, tie, decodin
 def test_greedy_generate_parity(kind, tie, hf_checkpoint, hf_greedy, pipeline):
     """32 greedy tokens via Engine/PlainGeneration == HF generate(do_sample=False)."""
     from specdec.core.pipeline_model import PlainGeneration
-    from specdec.engine import Engine, EngineConfig, generate_ids
+    from engine_helpers import generate_ids  # tests/engine_helpers.py
+    from specdec.engine import Engine, EngineConfig
 
     path, hf = hf_checkpoint(kind, tie=tie)
     pm = pipeline(path)

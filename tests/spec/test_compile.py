@@ -35,7 +35,8 @@ def _run(tiny_llama, compile_: bool) -> tuple[list[list[int]], list[list[int]], 
     sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
     method = DraftModelConfig(path=str(draft.path), num_speculative_tokens=3)
     ec = EngineConfig(max_batch_size=2)
-    rt = RuntimeConfig(max_batch_size=2, max_seq_len=96, compile=compile_)
+    # aten linears: the tiny model's native backend has no dynamo graphs to compile around.
+    rt = RuntimeConfig(max_batch_size=2, max_seq_len=96, compile=compile_, cpu_linear="aten")
     plain = LLM(target.path, runtime=rt, engine_config=ec)
     spec = LLM(target.path, method=method, runtime=rt, engine_config=ec)
     counters.clear()
@@ -45,14 +46,17 @@ def _run(tiny_llama, compile_: bool) -> tuple[list[list[int]], list[list[int]], 
         # ... each with a code object, so a cache of graphs, of its own (compile_decoder)
         codes = {id(m.forward._torchdynamo_orig_callable.__func__.__code__) for m in modules}
         assert len(codes) == 3
-        # A step of the full γ drafts its one-token steps in one compiled graph: count those.
-        drafter, fused_calls, drafts, own_catch_ups = spec.pipeline.module.drafter, [], [], []
-        fused, forward, caught_up = drafter._fused, drafter.forward, drafter.caught_up
-        drafter._fused = lambda *a: fused_calls.append(1) or fused(*a)
-        def counted_forward(*a):  # per drafting: fused calls + separate catch-ups it made
-            before = len(fused_calls) + len(own_catch_ups)
+        # A step of the full γ drafts its one-token steps in one compiled graph, its catch-up
+        # inside it: a drafting with no catch-up of its own is a fused one. Count those.
+        drafter, fused_calls, own_catch_ups = spec.pipeline.module.drafter, [], []
+        assert drafter.compiled_chain
+        forward, caught_up = drafter.forward, drafter.caught_up
+
+        def counted_forward(*a):
+            before = len(own_catch_ups)
             out = forward(*a)
-            drafts.append(len(fused_calls) + len(own_catch_ups) - before)
+            if len(own_catch_ups) == before:
+                fused_calls.append(1)
             return out
 
         drafter.forward = counted_forward
@@ -72,9 +76,8 @@ def _run(tiny_llama, compile_: bool) -> tuple[list[list[int]], list[list[int]], 
         assert [o.token_ids for o in spec.generate(PROMPTS[2:3], sp)] == out[0][2:3]
         assert len(verify_calls) == sum(steps) >= 4 and len(steps) > sum(steps)
         assert len(fused_calls) >= 4  # every request's first steps draft the full γ
-        # A fused drafting runs its catch-up inside the graph, not as a forward of its own
-        # (a step near a request's end drafts fewer and runs its catch-up apart).
-        assert drafts and set(drafts) == {1}
+        # (A step near a request's end drafts fewer and runs its catch-up apart.)
+        assert own_catch_ups
         fused_calls.clear()
         verify_calls.clear()
         steps.clear()
@@ -88,9 +91,8 @@ def _run(tiny_llama, compile_: bool) -> tuple[list[list[int]], list[list[int]], 
         assert len(verify_calls) == sum(steps)
         # ... and traced whole: a graph break would run the fused steps piece by piece.
         assert not counters["graph_break"] and not counters["unimplemented"], dict(counters["unimplemented"])
-        # The analytic limit charges a draft what it costs this way: the fused steps are timed.
-        fused_calls.clear()
-        assert spec.pipeline.proposer.draft_forward_time(24, repeats=2) > 0 and fused_calls
+        # The analytic limit charges a draft what it costs this way (the fused steps, timed).
+        assert spec.pipeline.proposer.draft_forward_time(24, repeats=2) > 0
     return out
 
 

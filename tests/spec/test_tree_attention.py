@@ -23,9 +23,10 @@ from specdec.spec.tree import (
     accepted_slot_moves,
     compact_kv,
     tree_attention_mask,
-    tree_positions,
     valid_nodes,
 )
+
+from tree_helpers import tree_positions  # tests/spec/tree_helpers.py
 
 VOCAB, BLOCK, NUM_BLOCKS = 64, 4, 16
 ATOL = 2e-5

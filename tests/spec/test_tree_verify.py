@@ -37,11 +37,12 @@ from specdec.spec.tree import (
     static_tree_tokens,
     tree_attention_mask,
     tree_lane,
-    tree_positions,
     verify_tree_greedy,
     verify_tree_sampled,
 )
 from specdec.spec.verify import verify_greedy, verify_sampled
+
+from tree_helpers import tree_positions  # tests/spec/tree_helpers.py
 
 
 def L(x: list) -> torch.Tensor:
