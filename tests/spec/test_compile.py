@@ -23,6 +23,7 @@ from specdec.core.context import SamplingParams
 from specdec.core.pipeline_model import RuntimeConfig
 from specdec.engine import EngineConfig
 from specdec.spec.proposers.draft_model import DraftModelConfig
+from tests.spec.fused import count_fused_draftings
 
 PROMPTS = [[3, 5, 7, 11, 13, 17, 19], [1, 2], [9] * 20, list(range(40))]
 
@@ -48,19 +49,9 @@ def _run(tiny_llama, compile_: bool) -> tuple[list[list[int]], list[list[int]], 
         assert len(codes) == 3
         # A step of the full γ drafts its one-token steps in one compiled graph, its catch-up
         # inside it: a drafting with no catch-up of its own is a fused one. Count those.
-        drafter, fused_calls, own_catch_ups = spec.pipeline.module.drafter, [], []
+        drafter = spec.pipeline.module.drafter
         assert drafter.compiled_chain
-        forward, caught_up = drafter.forward, drafter.caught_up
-
-        def counted_forward(*a):
-            before = len(own_catch_ups)
-            out = forward(*a)
-            if len(own_catch_ups) == before:
-                fused_calls.append(1)
-            return out
-
-        drafter.forward = counted_forward
-        drafter.caught_up = lambda: own_catch_ups.append(1) or caught_up()
+        fused_calls, own_catch_ups = count_fused_draftings(drafter)
         # A one-request step's verification forward and its verification are one compiled
         # call, through a code object of the module's own (compile_method); a batch's are two.
         module, verify_calls = spec.pipeline.module, []

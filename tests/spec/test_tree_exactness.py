@@ -34,6 +34,7 @@ from specdec.spec import draft_and_verify as spec_pipeline
 from specdec.spec.proposers.draft_model import DraftModelConfig
 from specdec.spec.proposers.ngram import NgramConfig
 from specdec.spec.tree import TreeConfig
+from tests.spec.fused import count_fused_draftings
 
 from test_greedy_exactness import HYP, MIN_MARGIN, VOCAB, _drafter, _rand_prompts, _target, prompts
 from test_sampling_exactness import N, P_FAIL, P_PASS, PROMPT, TOPK_TOPP, exact_joint, gof_pvalue, plant_uniform_tree_q
@@ -249,19 +250,7 @@ def test_compiled_tree_speculation_matches_eager(tiny_llama, kind) -> None:
                 assert hasattr(m.forward, "_torchdynamo_orig_callable")  # compiled
             drafter = spec.pipeline.module.drafter
             assert drafter.compiled_tree
-            # A fused drafting runs its catch-up inside the graph: one without a catch-up
-            # of its own is a fused one.
-            forward, caught_up, own = drafter.forward, drafter.caught_up, []
-
-            def counted_forward(*a, forward=forward, own=own, fused_calls=fused_calls):
-                before = len(own)
-                out = forward(*a)
-                if len(own) == before:
-                    fused_calls.append(1)
-                return out
-
-            drafter.forward = counted_forward
-            drafter.caught_up = lambda caught_up=caught_up, own=own: own.append(1) or caught_up()
+            fused_calls, _ = count_fused_draftings(drafter)
         runs[compile_] = ([o.token_ids for o in spec.generate(prompts_, sp)], spec.pipeline.stats().counts)
         assert len(fused_calls) >= 3 or not compile_
     assert not counters["graph_break"] and not counters["unimplemented"], dict(counters["unimplemented"])
