@@ -104,7 +104,7 @@ def test_too_few_kv_blocks_fails_requests_loudly_and_resume_runs_them_again(tiny
     assert all(a["completed_at"] > b["completed_at"] for a, b in zip(again, first))
 
 
-def test_resume_dir_must_be_a_run_dir(tiny_pair, tmp_path, capsys):
+def test_resume_dir_must_be_a_run_dir(tiny_pair, tmp_path, capsys, monkeypatch):
     target = tiny_pair[0]
     before = sorted(p.name for p in target.iterdir())
     missing = tmp_path / "no_such_run"
@@ -112,13 +112,18 @@ def test_resume_dir_must_be_a_run_dir(tiny_pair, tmp_path, capsys):
         with pytest.raises(ExperimentError, match=f"resume_dir .*{why}"):
             run_experiment(_compose(_overrides(tiny_pair, tmp_path / "unused", *FAST, f"resume_dir={bad}")))
 
-    from specdec.run import _check_resume_dir
+    from specdec.run import main
 
-    with pytest.raises(SystemExit) as exit_:
-        _check_resume_dir(["-m", "method=ngram", f"resume_dir={missing}"])
-    assert exit_.value.code == 2
-    assert capsys.readouterr().err.startswith(f"specdec: error: resume_dir '{missing}' does not exist")
-    _check_resume_dir(["resume_dir=null"])  # not resuming: nothing to check
+    def cli_exit(*args: str) -> tuple[int, str]:  # the console script in this process
+        monkeypatch.setattr(sys, "argv", ["specdec", *args])
+        with pytest.raises(SystemExit) as exit_:
+            main()
+        return exit_.value.code, capsys.readouterr().err
+
+    code, err = cli_exit("-m", "method=ngram", f"resume_dir={missing}")  # a multirun too: refused before Hydra
+    assert code == 2 and err.startswith(f"specdec: error: resume_dir '{missing}' does not exist")
+    code, err = cli_exit("resume_dir=null", "no_such_key=1")  # not resuming: nothing to check (Hydra ends it)
+    assert code == 2 and "no_such_key" in err and "resume_dir" not in err
 
     # the command line: Hydra would make resume_dir its run dir and write .hydra/ there
     cli = _cli(f"target.path={target}", "logger=none", f"resume_dir={target}", cwd=tmp_path)
@@ -233,18 +238,18 @@ def test_a_second_run_in_a_run_dir_fails_at_once_naming_the_holder(tiny_pair, tm
 # A method that gets request p0's third token wrong (after generating it): what a broken verifier does.
 _WRONG_METHOD = """
 import sys
-import specdec.experiment.runner as runner
+from specdec.engine import Engine
 
-_steps = runner._generate_steps
+_steps = Engine.steps
 
-def wrong(llm, items, clock):
-    ctxs = yield from _steps(llm, items, clock)
-    for c in ctxs:
-        if llm.method is not None and c.request_id == "p0" and c.num_generated > 2:
-            c.tokens[c.prompt_len + 2] = (c.tokens[c.prompt_len + 2] + 1) % 128
-    return ctxs
+def wrong(self):
+    for ended in _steps(self):
+        for c in ended:  # a speculative pipeline's requests only (plain decoding's stay right)
+            if hasattr(self.pipeline, "proposer") and c.request_id == "p0" and c.num_generated > 2:
+                c.tokens[c.prompt_len + 2] = (c.tokens[c.prompt_len + 2] + 1) % 128
+        yield ended
 
-runner._generate_steps = wrong
+Engine.steps = wrong
 from specdec.run import main
 
 sys.argv[0] = "specdec"

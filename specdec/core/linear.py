@@ -11,13 +11,8 @@ torch's CPU wheel). Two kernels, by ``runtime.cpu_linear``:
   over the inputs in order, whatever the number of rows or threads. A weight
   whose every value is a bfloat16 (a bf16 checkpoint loaded as float32, as the
   built-in pair is) is packed as bfloat16 (:func:`lossless_bf16`) and widened
-  back exactly in the kernel: the same bits from half the bytes. On a 2-core
-  AMD EPYC (Zen 4, 32 MiB L3) the built-in target's 41 one-row products took
-  0.25-0.30 ms against 0.64-0.97 as float32, and its bare compiled one-token
-  forward 1.0 ms against 2.05: target and drafter (19 + 5.5 MB) now fit the L3
-  together.
-  On a 2-core AMD EPYC (Zen 1, AVX2) its one-row 768 x 256 product takes 20 us,
-  MKL's 32; 100 rows 0.76 ms against 0.66.
+  back exactly in the kernel: the same bits from half the bytes, so target and
+  drafter fit a CPU's last-level cache together.
 - ``onednn``: oneDNN's runtime-sized kernel (weights packed for any batch),
   which also computes each row in the same order whatever the number of rows.
   It serves bfloat16, and float32 where our kernel could not be built.
@@ -25,21 +20,16 @@ torch's CPU wheel). Two kernels, by ``runtime.cpu_linear``:
 Why not ``F.linear``:
 
 - **One row's result must not depend on the rows beside it.** MKL's sgemm
-  picks its kernel by shape: on a 2-core Intel Xeon a row computed alone, or
-  among 11 or more rows, differed in its last bits from the same row among 2 to
-  10, so a token verified among γ + 1 could get other logits than decoded
+  picks its kernel by shape, so a row's last bits depend on how many rows share
+  the call: a token verified among γ + 1 could get other logits than decoded
   alone. ``tests/core/test_linear.py`` holds both packed kernels to it.
-- **Call cost.** A decode step of a small model is dozens of small matmuls.
-  On that Xeon one 256 x 256 one-row product took 2-4 us through our kernel,
-  5 through MKL and 16-18 through oneDNN (whose kernel runs 4 us of that);
-  the built-in target's 41 projections at one row about 0.25, 0.45 and 0.85 ms.
-  On a 2-core AMD EPYC (Zen 4) MKL's one-token forward took 4.7 ms against
-  oneDNN's 3.2. ``experiments/bench/ar.py`` reports the kernel it ran.
+- **Call cost.** A decode step of a small model is dozens of small one-row
+  matmuls, where per-call overhead dominates: at one row ours costs the least,
+  oneDNN's the most. ``experiments/bench/ar.py`` reports the kernel it ran.
 
 A module's packed weights (ours) live in one block of memory on transparent
 huge pages (``pack_layers``): a decode step streams them all from DRAM, and on
-4 KiB pages each 4 KiB was a TLB miss and a stop for the prefetchers (built-in
-target, 2-core Zen 1: its layers 1.89 -> 1.79 ms, the same process by turns).
+4 KiB pages each 4 KiB is a TLB miss and a stop for the prefetchers.
 
 The packed copy adds to the weights' memory (the dense weight stays: the
 ``state_dict``, tensor-parallel sharding and ``build_module`` read it) and is
@@ -184,7 +174,7 @@ class RMSNorm(nn.Module):
     """RMSNorm over the last dim: ``weight * x / sqrt(mean(x²) + eps)``, in float32 for
     lower precisions. After :meth:`pack` ("specdec"), an eager float32 CPU call without
     gradients runs our one-pass kernel (``specdec/core/kernels/cpu.cpp``): torch's eager
-    ``rms_norm`` is half a dozen ops on a CPU (~25 us a call on a 2-core Xeon, against ~2).
+    ``rms_norm`` is half a dozen ops on a CPU, about ten times the kernel's call.
     Compiled, Inductor fuses ``F.rms_norm`` itself."""
 
     def __init__(self, dim: int, eps: float) -> None:
@@ -283,8 +273,8 @@ def register_compiled_lowering() -> None:
     """Has Inductor lower ``specdec::onednn_linear`` to oneDNN's C kernel itself (cpp_wrapper:
     a direct call, no Python in between), not to a call back into Python. Once, before compiling.
 
-    On the built-in target's compiled one-token forward: 2.7-3.2 ms against 4.8-6.2 with the
-    call back into Python (12.5 us a call, 41 calls). Inductor's on-disk graph cache does not
+    A call back into Python costs more than a small model's one-row kernel itself (its
+    compiled one-token forward ran about 1.7 times slower). Inductor's on-disk graph cache does not
     key on lowerings: after changing this one, clear it (``/tmp/torchinductor_$USER``)."""
     from torch._inductor.ir import FixedLayout, TensorBox
     from torch._inductor.lowering import lowerings, register_lowering

@@ -282,7 +282,7 @@ class AdaptiveGamma:
     def choose(self, batch: Sequence[TextContext], gammas: Sequence[int], prefilling: bool) -> int:
         """The step's γ for ``batch`` (``gammas``: each request's cap; ``prefilling``: the
         step carries prompt rows): 0 is plain decoding."""
-        mixed = prefilling and len(batch) > 1 and not self.proposer.drafts_after_verify
+        mixed = prefilling and len(batch) > 1 and not self.proposer.spec.drafts_after_verify
         self.step_gamma = 0 if mixed else self._model(batch, gammas)
         return self.step_gamma
 

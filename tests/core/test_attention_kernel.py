@@ -112,7 +112,7 @@ def test_bad_operands_name_what_is_wrong():
 def test_pack_layers_gives_a_cpu_decoder_the_kernel_and_its_forward_keeps_sdpa_s_values():
     """The whole paged path (cache write, hiding, packing, out_index) with the kernel
     against the same decoder on SDPA: a ragged prefill, then a ragged verification."""
-    from specdec.core.batch_processor import _pack
+    from packing import pack_rows  # tests/packing.py
     from specdec.core.inputs import KVCacheTensors
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -134,7 +134,7 @@ def test_pack_layers_gives_a_cpu_decoder_the_kernel_and_its_forward_keeps_sdpa_s
         for toks, starts, lens in steps:
             outs = []
             for model, cache in zip((ours, ref), caches):
-                inputs, _ = _pack(toks, starts, lens, tables, block, 1, [0, 0])
+                inputs = pack_rows(toks, starts, lens, tables, block)
                 inputs.kv_cache = cache
                 inputs.logit_index = torch.arange(len(toks))
                 outs.append(model(inputs).logits)

@@ -18,6 +18,7 @@ from specdec.spec.gamma import (
     choose_gamma,
     expected_tokens,
 )
+from specdec.spec.proposers.base import DrafterSpec
 from specdec.spec.proposers.draft_model import DraftModelConfig
 from specdec.spec.proposers.ngram import NgramConfig
 
@@ -166,7 +167,7 @@ def _call(llm: LLM, prompts: list[list[int]], ids: list[str], sp: SamplingParams
     before = llm.pipeline.stats().counts
     engine = llm.new_engine()
     for p, rid in zip(prompts, ids):
-        llm._add(engine, p, sp, rid)
+        engine.add_request(p, sp, request_id=rid)
     engine.run()
     after = llm.pipeline.stats().counts
     return after.proposed - before.proposed
@@ -299,7 +300,7 @@ def test_a_step_carrying_a_prompt_beside_other_requests_drafts_nothing(tiny_llam
     lengths = [24, 6, 12]  # the second ends early: the third's prompt joins the first's decoding
     engine = llm.new_engine()
     for i, (p, n) in enumerate(zip(prompts, lengths)):
-        llm._add(engine, p, SamplingParams(max_new_tokens=n, ignore_eos=True), f"r{i}")
+        engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True), request_id=f"r{i}")
     got = {r.request_id: r.generated for r in engine.run()}
     plain = LLM(tiny_llama(seed=0).path, runtime=RuntimeConfig(max_batch_size=2, max_seq_len=96))
     want = [o.token_ids for o in plain.generate(prompts[:1], SamplingParams(max_new_tokens=24, ignore_eos=True))
@@ -314,7 +315,7 @@ def test_a_step_carrying_a_prompt_beside_other_requests_drafts_nothing(tiny_llam
 def _policy(**policy) -> tuple[AdaptiveGamma, list[TextContext]]:
     """An AdaptiveGamma on a flat target (1 s a forward at any size) and drafts at 0.3 s,
     no model behind it, and three fresh requests."""
-    proposer = types.SimpleNamespace(drafts_after_verify=False)
+    proposer = types.SimpleNamespace(spec=DrafterSpec())  # drafts before verification
     ag = AdaptiveGamma(GammaPolicyConfig(adaptive=True, **policy), 4, target=None, proposer=proposer)
     ag.curves = (TargetCost.measure(lambda b, n: 1.0, [1, 2], 5), CostCurve(lambda b: 0.3, [1, 2]))
     sp = SamplingParams(max_new_tokens=24)

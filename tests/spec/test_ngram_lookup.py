@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec.core.context import SamplingParams, TextContext
-from specdec.spec.proposers.ngram import NgramConfig, NgramProposer, _Index, lookup, lookup_tree
+from specdec.spec.proposers.ngram import NgramConfig, NgramProposer, NgramIndex, lookup, lookup_tree
 
 
 def draft(tokens: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
-    return lookup(tokens, _Index(), max_n, min_n, k)
+    return lookup(tokens, NgramIndex(), max_n, min_n, k)
 
 
 def reference(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
@@ -88,7 +88,7 @@ def test_a_growing_index_drafts_what_the_definition_says(tokens, cuts, k, max_n,
     # The index grows step by step with the request's tokens, as in decoding;
     # after each step its drafts equal the brute-force definition's.
     min_n = data.draw(st.integers(1, max_n))
-    index = _Index()
+    index = NgramIndex()
     for end in sorted({c for c in cuts if c < len(tokens)} | {len(tokens)}):
         prefix = tokens[:end]
         assert lookup(prefix, index, max_n, min_n, k) == reference(prefix, k, max_n, min_n)
@@ -145,11 +145,11 @@ def paths(tokens: list[int], parents: list[int]) -> list[tuple[int, ...]]:
 
 def test_branches_docstring_examples() -> None:
     t = [5, 6, 1, 7, 8, 5, 6, 1, 7, 8, 5, 6, 2, 9, 5, 6]
-    assert lookup_tree(t, _Index(), 2, 1, 3, 2) == ([1, 7, 8], [-1, 0, 1])  # nothing in doubt: the chain
+    assert lookup_tree(t, NgramIndex(), 2, 1, 3, 2) == ([1, 7, 8], [-1, 0, 1])  # nothing in doubt: the chain
     t = [5, 6, 2, 9, 5, 6, 1, 7, 3, 5, 6]
-    assert lookup_tree(t, _Index(), 2, 1, 4, 2) == ([1, 7, 2, 9], [-1, 0, -1, 2])
-    assert lookup_tree(t, _Index(), 2, 1, 4, 3) == ([1, 7, 2, 9], [-1, 0, -1, 2])  # only two followers
-    assert lookup_tree(t, _Index(), 2, 1, 0, 2) == ([], [])
+    assert lookup_tree(t, NgramIndex(), 2, 1, 4, 2) == ([1, 7, 2, 9], [-1, 0, -1, 2])
+    assert lookup_tree(t, NgramIndex(), 2, 1, 4, 3) == ([1, 7, 2, 9], [-1, 0, -1, 2])  # only two followers
+    assert lookup_tree(t, NgramIndex(), 2, 1, 0, 2) == ([], [])
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)  # the same examples every run
@@ -162,11 +162,11 @@ def test_branches_docstring_examples() -> None:
 )
 def test_a_tree_keeps_the_best_nodes_and_one_branch_is_the_chain(tokens, k, max_n, branches, data) -> None:
     min_n = data.draw(st.integers(1, max_n))
-    toks, parents = lookup_tree(tokens, _Index(), max_n, min_n, k, branches)
+    toks, parents = lookup_tree(tokens, NgramIndex(), max_n, min_n, k, branches)
     assert len(toks) <= k and all(p < i for i, p in enumerate(parents))  # parents first
     assert paths(toks, parents) == reference_tree(tokens, k, max_n, min_n, branches)
     if branches == 1:
-        assert toks == lookup(tokens, _Index(), max_n, min_n, k) and parents == list(range(-1, len(toks) - 1))
+        assert toks == lookup(tokens, NgramIndex(), max_n, min_n, k) and parents == list(range(-1, len(toks) - 1))
 
 
 def test_the_proposer_packs_ragged_trees_with_their_host_facts() -> None:
@@ -202,8 +202,13 @@ def test_the_proposer_drafts_per_request_and_verifies_only_as_many_rows_as_found
     batch = proposer.prepare([loop, fresh], 4, [4, 4])
     assert batch.tokens.tolist() == [[2, 1, 2, 1], [3, 1, 2, 3]]
     assert torch.equal(batch.first_position, torch.tensor([11, 5]))
+    # free forgets only the freed request's counts. A request's tokens only grow, so the
+    # counts kept for it are read on; replacing its tokens shows which counts remain.
     proposer.free(loop)
-    assert loop.key not in proposer._index and fresh.key in proposer._index
+    loop.tokens[:], fresh.tokens[:] = [5, 6, 5, 6, 5, 6], [4, 4, 4, 4, 4]
+    batch = proposer.prepare([loop, fresh], 4, [4, 4])
+    assert batch.tokens.tolist() == [[5, 6, 5, 6], [0, 0, 0, 0]]  # loop: its new tokens alone, as a new request's
+    assert batch.num_draft.tolist() == [4, 0]  # fresh: still the old counts, which never saw 4
 
 
 @pytest.mark.slow

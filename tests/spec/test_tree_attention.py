@@ -15,7 +15,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.core.batch_processor import _pack
 from specdec.core.inputs import DecoderInputs, KVCacheTensors
 from specdec.models.config import LlamaConfig
 from specdec.models.llama import LlamaDecoder, PagedAttend
@@ -26,6 +25,7 @@ from specdec.spec.tree import (
     valid_nodes,
 )
 
+from packing import pack_rows  # tests/packing.py
 from tree_helpers import tree_positions  # tests/spec/tree_helpers.py
 
 VOCAB, BLOCK, NUM_BLOCKS = 64, 4, 16
@@ -49,8 +49,7 @@ def _cache(cfg: LlamaConfig) -> KVCacheTensors:
 def _prefill(model: LlamaDecoder, cache: KVCacheTensors, prefixes: list[list[int]], tables: list[list[int]]) -> None:
     """Caches every prefix but its last token (the root of the tree step)."""
     toks = [t for p in prefixes for t in p[:-1]]
-    inputs, _ = _pack(toks, [0] * len(prefixes), [len(p) - 1 for p in prefixes], tables, BLOCK, 1,
-                      [0] * len(prefixes))
+    inputs = pack_rows(toks, [0] * len(prefixes), [len(p) - 1 for p in prefixes], tables, BLOCK)
     inputs.kv_cache = cache
     with torch.no_grad():
         model(inputs)
@@ -63,7 +62,7 @@ def _tree_inputs(prefixes: list[list[int]], tokens: torch.Tensor, parents: torch
     starts = [len(p) - 1 for p in prefixes]
     lens = [int(n) + 1 for n in num_nodes]
     rows = [[p[-1]] + tokens[i, : lens[i] - 1].tolist() for i, p in enumerate(prefixes)]
-    inputs, _ = _pack([t for r in rows for t in r], starts, lens, tables, BLOCK, 1, [0] * b)
+    inputs = pack_rows([t for r in rows for t in r], starts, lens, tables, BLOCK)
     # Rope positions: root + depth (the packer wrote key indices, which q_pos keeps).
     pos = tree_positions(parents, torch.tensor(starts), num_nodes)  # [B, N+1]
     inputs.positions = torch.cat([pos[i, : lens[i]] for i in range(b)])
@@ -193,7 +192,7 @@ def test_step_after_compaction_continues_the_chain(window: int | None) -> None:
     # Next step: each request feeds one new token after root + accepted path.
     nxt = [50, 51]
     starts = [len(p) - 1 + len(a) + 1 for p, a in zip(prefixes, accepted)]
-    step, _ = _pack(nxt, starts, [1, 1], tables, BLOCK, 1, [0, 0])
+    step = pack_rows(nxt, starts, [1, 1], tables, BLOCK)
     step.kv_cache = cache
     with torch.no_grad():
         logits = model(step).logits

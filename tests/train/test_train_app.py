@@ -167,9 +167,8 @@ def test_eagle3_loss_goes_down_and_the_simulation_is_exact(tiny: dict[str, Path]
     # Exactness of the unrolled simulation: redo one chain by hand with the loaded head.
     from specdec.core.checkpoint import load_decoder
     from specdec.core.registry import Role
-    from specdec.models.llama import DenseCausalAttend
+    from specdec.train.data import TargetFeatures
     from specdec.train.eagle import unrolled
-    from specdec.train.data import Features
 
     target = load_decoder(tiny["target"]).module
     head = load_decoder(tmp_path / "r" / "out", role=Role.DRAFT_HEAD).module
@@ -178,9 +177,7 @@ def test_eagle3_loss_goes_down_and_the_simulation_is_exact(tiny: dict[str, Path]
     seq = torch.randint(3, 250, (1, 20), generator=torch.Generator().manual_seed(0))
     aux_ids = head.config.fused_layers(4)
     b, s = seq.shape
-    cos, sin = target._rope(torch.arange(s), s - 1)
-    h, aux = target._layers(target.model.embed_tokens(seq[0]), cos, sin, DenseCausalAttend(1, s, None), capture=aux_ids)
-    feats = Features(seq, h.view(1, s, -1), torch.cat(aux, -1).view(1, s, -1))
+    feats = TargetFeatures(target, aux_ids).run(seq)  # what training reads: final norm, fused layers' inputs
     gamma = 3
     hs = unrolled(head, feats, gamma)
     # by hand: root r, step 0 over positions 0..r (dense causal), then steps 1..γ-1 one row at a time
@@ -193,7 +190,7 @@ def test_eagle3_loss_goes_down_and_the_simulation_is_exact(tiny: dict[str, Path]
     att = UnrolledAttend(1, s - 1)
     x = head.project(feats.hidden[:, : s - 1], feats.aux[:, : s - 1]).reshape(s - 1, -1)
     inp = seq[0, 1:]
-    c2, s2 = head._rope(torch.arange(s - 1), s - 2)
+    c2, s2 = head.rope_for(torch.arange(s - 1))
     outs = []
     for _ in range(gamma):
         y = head.step(inp, x, c2, s2, att)

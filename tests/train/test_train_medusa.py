@@ -53,12 +53,11 @@ def test_medusa_loss_falls_and_the_simulation_counts_the_pipelines_steps(tiny: d
     from specdec.api import LLM
     from specdec.core.checkpoint import load_decoder
     from specdec.core.context import SamplingParams
-    from specdec.models.llama import DenseCausalAttend
     from specdec.models.medusa import load_medusa
     from specdec.spec.proposers.medusa import MedusaConfig
     from specdec.train.app import train
     from specdec.train.config import to_train_config
-    from specdec.train.data import chain_tau
+    from specdec.train.data import TargetFeatures, chain_tau
 
     args = overrides(tiny, "medusa", tmp_path / "r", "train.steps=30", "eval.every=0", "checkpoint_every=0",
                      "train.lr=1e-2")
@@ -80,8 +79,7 @@ def test_medusa_loss_falls_and_the_simulation_counts_the_pipelines_steps(tiny: d
     seq = torch.tensor(prompt + plain)
     s = seq.numel()
     with torch.no_grad():
-        cos, sin = target._rope(torch.arange(s), s - 1)
-        h, _ = target._layers(target.model.embed_tokens(seq), cos, sin, DenseCausalAttend(1, s, None), ())
+        h = TargetFeatures(target).run(seq[None]).hidden[0]  # final-norm hidden states [s, H]
         pred = heads(h, g).argmax(-1)  # [s, g]
     ok = torch.zeros(s - 1, g, dtype=torch.bool)
     for j in range(g):
@@ -95,18 +93,14 @@ def test_medusa_argmax_target_scores_the_targets_greedy_token(tiny: dict[str, Pa
     import torch.nn.functional as F
 
     from specdec.core.checkpoint import load_decoder
-    from specdec.models.llama import DenseCausalAttend
     from specdec.train.config import RecipeConfig
-    from specdec.train.data import Features
+    from specdec.train.data import TargetFeatures
     from specdec.train.medusa import MedusaRecipe
 
     target = load_decoder(tiny["target"]).module.float()
     tokens = torch.randint(3, 250, (2, 10), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        cos, sin = target._rope(torch.arange(10), 9)
-        hidden = torch.stack([target._layers(target.model.embed_tokens(t), cos, sin, DenseCausalAttend(1, 10, None), ())[0]
-                              for t in tokens])
-    feats = Features(tokens, hidden, None)
+    feats = TargetFeatures(target).run(tokens)
+    hidden = feats.hidden  # [2, 10, H] the target's final-norm hidden states
     losses = {}
     for kind in ("soft", "argmax"):
         recipe = MedusaRecipe(RecipeConfig(recipe="medusa", medusa_num_heads=2, ce_target=kind), target, tokens.flatten(), 0)

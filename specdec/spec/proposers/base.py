@@ -21,9 +21,9 @@ A proposer has two halves:
 - the **device half** (``Proposer.drafter``, a :class:`Drafter`) runs inside
   the draft-and-verify module, in one of two places of the step:
 
-  * before verification (``drafts_after_verify = False``): ``drafter(batch,
+  * before verification (``spec.drafts_after_verify`` False): ``drafter(batch,
     sampling)`` drafts from tokens alone (draft model, n-gram);
-  * after verification (``drafts_after_verify = True``): ``drafter.draft_after
+  * after verification (``spec.drafts_after_verify`` True): ``drafter.draft_after
     (step, sampling)`` drafts the *next* step's tree from what the target just
     computed (:class:`TargetStep`: hidden states of the layers the proposer
     asks for, at every verified row), without a second target pass. Those
@@ -210,7 +210,7 @@ class TargetStep:
     ``num_accepted`` produced the bonus token, so a drafter continuing the
     request reads that row.
 
-    A proposer with ``needs_all_rows`` also gets every *packed* row the target
+    A proposer with ``spec.needs_all_rows`` also gets every *packed* row the target
     was fed this step (a whole prompt at a request's first step, prefill chunks
     of other requests, and each request's verified rows), to catch up on them:
     ``rows``, ``aux_rows``, ``inputs``, ``bonus_row``. Worked example, one
@@ -338,15 +338,11 @@ class Proposer(ABC):
                 f"{' / '.join(missing)}; its drafting would be charged 0 s in the limit and adaptive γ")
         return spec
 
-    # The spec's flags under their old names (read-only; spec/pipeline.py reads these).
-    drafts_after_verify = property(lambda self: self.spec.drafts_after_verify)
-    samples_drafts = property(lambda self: self.spec.samples_drafts)
-    needs_all_rows = property(lambda self: self.spec.needs_all_rows)
+    # Compatibility only, until medusa.py (tree_facts, drafts_trees) and tests/spec/test_eagle.py
+    # (target_layers) read proposer.spec: then delete these three.
     target_layers = property(lambda self: self.spec.target_layers)
     drafts_trees = property(lambda self: self.spec.drafts_trees)
     tree_facts = property(lambda self: self.spec.tree_facts)
-    node_budget = property(lambda self: self.spec.node_budget)
-    max_speculative_tokens = property(lambda self: self.spec.max_speculative_tokens)
 
     @property
     def draft_model(self) -> DecoderPipelineModel | None:
@@ -371,7 +367,7 @@ class Proposer(ABC):
         raise NotImplementedError(f"{type(self).__name__} drafts after verification; prepare is not called")
 
     def prepare_after(self, batch: list[TextContext], packed: PackedBatch, gamma: int) -> Any:
-        """Host packing for ``draft_after`` (a proposer with ``needs_all_rows``):
+        """Host packing for ``draft_after`` (a proposer with ``spec.needs_all_rows``):
         called once the target's ``packed`` batch of ``batch`` is built and
         before the step runs; its result arrives as ``TargetStep.host``. A
         request in ``batch`` past ``packed.num_new`` … is a prefill chunk that

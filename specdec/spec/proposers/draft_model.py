@@ -9,9 +9,7 @@ host round trip. Its paged KV cache is rolled back in step with the target's.
 Compiled (``runtime.compile``), a step of the method's γ, greedy or sampled, runs
 its catch-up and its γ - 1 one-token steps as *one* compiled graph
 (``_draft_chain``): each separate call of a compiled decoder pays dynamo's
-guards and wrappers, about a third of a small drafter's forward on CPU
-(built-in pair, batch 1: 2.0 ms for the three steps at γ = 4 against 3.4 ms as
-three calls).
+guards and wrappers, about a third of a small drafter's forward on CPU.
 
 **Token trees** (``tree=TreeConfig(kind=...)``, specdec/spec/tree.py): after
 the catch-up (the root's distribution), a top-k tree is drafted level by level:
