@@ -124,7 +124,12 @@ def _follower_args(args: list[str]) -> list[str]:
 
 
 def main() -> None:
-    """The ``specdec`` console script (arguments: Hydra overrides)."""
+    """The ``specdec`` console script (arguments: Hydra overrides; ``specdec convert SRC DST``
+    converts a pickled checkpoint, :mod:`specdec.convert`)."""
+    if sys.argv[1:2] == ["convert"]:
+        from specdec.convert import main as convert
+
+        sys.exit(convert(sys.argv[2:]))
     _check_resume_dir(sys.argv[1:])
     sys.argv[1:] = _follower_args(sys.argv[1:])
     try:

@@ -71,8 +71,13 @@ def weight_files(path: str | Path) -> list[Path]:
     single = path / "model.safetensors"
     if single.is_file():
         return [single]
+    pickled = [n for n in ("pytorch_model.bin.index.json", "pytorch_model.bin", "medusa_lm_head.pt")
+               if (path / n).is_file()]
+    hint = (f"; it holds {pickled[0]}: pickled weights, which specdec never loads (a pickle can run code); "
+            f"convert them once with `python -m specdec.convert {path} <new dir>` (reads tensors only) "
+            "and load <new dir>" if pickled else "")
     raise CheckpointError(
-        f"no model.safetensors or model.safetensors.index.json in {str(path)!r}"
+        f"no model.safetensors or model.safetensors.index.json in {str(path)!r}{hint}"
     )
 
 
