@@ -15,6 +15,7 @@ Two ways to run it:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -395,6 +396,26 @@ class LlamaDecoder(RopeTables, DecoderModule):
     def num_layers(self) -> int:
         return self.config.num_hidden_layers
 
+
+    def first_layers(self, k: int) -> LlamaDecoder:
+        """A decoder of this one's first ``k`` layers, then its final norm and head, over the
+        very same modules (weights, fused and packed projections, kernels: no copy), for
+        layer-skip self-speculation (``specdec/spec/proposers/layer_skip.py``). It is already
+        prepared: fusing or packing it again would give it weights of its own."""
+        if not 1 <= k <= self.num_layers:
+            raise ValueError(f"first_layers: k must be in 1..{self.num_layers}, got {k!r}")
+        view = type(self).__new__(type(self))
+        nn.Module.__init__(view)
+        view.config = dataclasses.replace(self.config, num_hidden_layers=k)
+        view.model = LlamaModel.__new__(LlamaModel)
+        nn.Module.__init__(view.model)
+        view.model.embed_tokens = self.model.embed_tokens
+        view.model.layers = nn.ModuleList(list(self.model.layers)[:k])
+        view.model.norm = self.model.norm
+        view.lm_head = self.lm_head
+        view._init_rope()
+        view.attention_kernel = self.attention_kernel
+        return view.eval()
 
     def _layers(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
