@@ -32,6 +32,7 @@ from specdec.core.batch_processor import (
 )
 from specdec.core.checkpoint import LoadedDecoder, load_decoder
 from specdec.core.context import RequestFailure, TextContext
+from specdec.core.flex import use_flex_attention
 from specdec.core.inputs import DecoderOutputs, ModelOutputs
 from specdec.core.kv_cache import BlockTable, KVCacheParams, PagedKVCache, available_memory, human_bytes
 from specdec.core.backend import (  # (compile_*: also imported from here)
@@ -77,6 +78,9 @@ class RuntimeConfig:
     # CPU projections (specdec/core/linear.py): "specdec", our own packed kernel for float32
     # (oneDNN for bfloat16); "onednn", oneDNN's packed kernel; "aten", F.linear (MKL's sgemm)
     cpu_linear: str = "specdec"
+    # Attention over the paged cache: "auto", our CPU kernel where it serves, else SDPA over
+    # gathered keys; "flex", torch's flex_attention reading the cache in place (specdec/core/flex.py)
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         # Types first: a bool is not a size, and "8" or 1e6 (a string, a float) is a mistake to
@@ -98,6 +102,8 @@ class RuntimeConfig:
             raise ValueError(f"runtime.device must be a device name (cpu, cuda, cuda:1 ...), got {self.device!r:.200}")
         if self.cpu_linear not in (*KERNELS, "aten"):
             raise ValueError(f"runtime.cpu_linear must be one of {(*KERNELS, 'aten')}, got {self.cpu_linear!r}")
+        if self.attention not in ("auto", "flex"):
+            raise ValueError(f"runtime.attention must be auto or flex, got {self.attention!r:.200}")
         if self.dtype is not None and self.dtype not in ("float32", "float16", "bfloat16", "float64"):
             raise ValueError(f"runtime.dtype must be float32, float16, bfloat16, float64 or null, got {self.dtype!r}")
 
@@ -170,6 +176,8 @@ class DecoderPipelineModel:
         if hasattr(module, "ensure_rope"):
             module.ensure_rope(self._max_positions, self.runtime.device)
         pack_for_runtime(module, self.runtime)
+        if self.runtime.attention == "flex":
+            use_flex_attention(module)
         load_backend(module, compile=self.runtime.compile)  # native, compiled or eager: once, here
 
     def build_module(self) -> nn.Module:

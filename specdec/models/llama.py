@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.core.backend import backend_of, forget_backend, forward_checking_rows
+from specdec.core.flex import FlexAttend
 from specdec.core.inputs import DecoderInputs, DecoderOutputs, KVCacheTensors, MaskKind
 from specdec.core.linear import Linear, RMSNorm
 from specdec.core.registry import DecoderModule, Role, register
@@ -211,9 +212,13 @@ class GroupedAttend:
 
 
 def paged_attend(inputs: DecoderInputs, cache: KVCacheTensors, window: int | None,
-                 isolate_rows: bool = True, kernel: str | None = None) -> PagedAttend | GroupedAttend:
+                 isolate_rows: bool = True, kernel: str | None = None) -> PagedAttend | GroupedAttend | FlexAttend:
     """The paged attention of one forward: in the packer's groups when it made any.
-    ``kernel="specdec"``: our CPU kernel where it serves (float32 CPU cache), else SDPA."""
+    ``kernel="specdec"``: our CPU kernel where it serves (float32 CPU cache), else SDPA;
+    ``kernel="flex"`` (``runtime.attention``): flex attention over the whole cache, one
+    call per layer for the whole batch (:mod:`specdec.core.flex`)."""
+    if kernel == "flex":
+        return FlexAttend(inputs, cache, window)
     if inputs.attention_groups:
         return GroupedAttend([PagedAttend(g, cache, window, isolate_rows, kernel) for g in inputs.attention_groups])
     return PagedAttend(inputs, cache, window, isolate_rows, kernel)
@@ -367,7 +372,8 @@ class LlamaDecoder(RopeTables, DecoderModule):
     """A Llama-family causal LM over a paged KV cache."""
 
     config_cls = LlamaConfig
-    attention_kernel: str | None = None  # "specdec": our CPU attention kernel (set by pack_layers)
+    # "specdec": our CPU attention kernel (set by pack_layers); "flex": flex attention (runtime.attention)
+    attention_kernel: str | None = None
     supports_data_parallel = True  # stateless between steps: replicas just split the batch
     # Tensor parallelism (styles: specdec/dist/tensor_parallel.py): heads and MLP columns split,
     # row-parallel o_proj / down_proj summed by an all-reduce, vocabulary-parallel embedding and head.
@@ -395,7 +401,6 @@ class LlamaDecoder(RopeTables, DecoderModule):
     @property
     def num_layers(self) -> int:
         return self.config.num_hidden_layers
-
 
     def first_layers(self, k: int) -> LlamaDecoder:
         """A decoder of this one's first ``k`` layers, then its final norm and head, over the
