@@ -11,11 +11,12 @@ only how they are measured):
   a ratio;
 - **analytic limit** = τ · S_plain / C_spec and **efficiency** = decode-phase speedup ÷
   limit (defined in :mod:`specdec.spec.metrics`, the step's bare cost C_spec in
-  :func:`specdec.spec.cost.step_cost`): S_plain is plain decoding's measured decode
-  step, C_spec comes from bare forward times of the method's own models
-  (:class:`ForwardTimes`), timed interleaved with the runs' own passes
-  (:func:`limit_runs`, :func:`limit_from`; or at one moment, :func:`limit_forward_times`);
-  :func:`spec_limit` puts them together, :func:`efficiency` divides;
+  :func:`specdec.spec.cost.step_cost`), one way in every tool (the run summary, spec.py,
+  compare_hf.py): :func:`spec_limit` takes τ from the run's counts and outputs, S_plain
+  from its plain passes (:func:`plain_step_s`), C_spec from the bare forward times of the
+  method's own models (:class:`ForwardTimes`) timed by turns within those same passes
+  (:func:`limit_runs`, :func:`limit_from`) at :func:`limit_context`; :func:`efficiency`
+  divides;
 - **step-time breakdown** (:func:`step_breakdown`): a run's milliseconds per
   speculative step in each phase of the step (:class:`specdec.spec.metrics.PhaseTimes`)
   beside what the step's bare cost charges for it, and the share of the run's
@@ -319,9 +320,9 @@ class ForwardTimes:
     the shape of its step at full γ: what :meth:`step_s` charges (specdec.spec.cost).
     A field left None was not measured: what needs it is reported missing (None)."""
 
-    t_target_1: float  # the target's forward of one token (a plain decode step)
-    t_target_g1: float  # the target's forward of max_rows tokens (a full verification)
-    t_draft_1: float = 0.0  # one drafter forward as the step runs it (0: model-free); see step_shape
+    t_target_1: float | None  # the target's forward of one token (a plain decode step)
+    t_target_g1: float | None  # the target's forward of max_rows tokens (a full verification)
+    t_draft_1: float | None = 0.0  # one drafter forward as the step runs it (0: model-free); see step_shape
     max_rows: int | None = None  # tokens per request of t_target_g1: the method's γ + 1
     draft_forwards: float | None = None  # drafter forwards (t_draft_1 each) of a step at full γ
     max_drafts: int | None = None  # drafts per request of a step at full γ
@@ -331,10 +332,12 @@ class ForwardTimes:
     # the other's weights from the CPU's caches, a cost of the machine, not of the framework.
     t_target_g1_after_draft: float | None = None
     t_draft_1_after_target: float | None = None
-    # Plain decoding's decode step in its own loop (engine and all), timed with these
-    # (:func:`limit_forward_times` given ``plain``): the limit's S_plain where the run's own
-    # passes were not timed with the bare forwards (the run summary).
-    plain_step_s: float | None = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ForwardTimes:
+        """From a saved ``asdict`` (``forward_times.json``); keys of other versions are ignored."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
 
     def step_s(self, drafts: float, *, after_other: bool = False) -> float | None:
         """Bare seconds of a step whose requests verify ``drafts`` drafts each (mean over
@@ -348,7 +351,8 @@ class ForwardTimes:
     def _step(self, drafts: float, after_other: bool = False
               ) -> tuple[float, Callable[[float], float], float, float] | None:
         """:func:`~specdec.spec.cost.step_cost`'s arguments for :meth:`step_s`."""
-        if self.max_rows is None or self.draft_forwards is None or self.max_drafts is None:
+        if None in (self.t_target_1, self.t_target_g1, self.t_draft_1, self.max_rows, self.draft_forwards,
+                    self.max_drafts):
             return None
         tg, td = self.t_target_g1, self.t_draft_1
         if after_other:
@@ -359,37 +363,59 @@ class ForwardTimes:
         return 1 + drafts, target_line(self.t_target_1, tg, self.max_rows), share * self.draft_forwards, td
 
 
-def spec_limit(bare: ForwardTimes | None, counts: SpecCounts, *, first_steps: int, decode_tokens: int,
-               plain_step_s: float | None, after_other: bool = False) -> float | None:
-    """The analytic limit of a run (:mod:`specdec.spec.metrics`): its decode-phase τ from
-    ``counts`` (every request's, merged), their ``first_steps`` (one per request or turn)
-    and ``decode_tokens``; C_spec = ``bare.step_s`` at the run's mean drafts per step;
-    ``plain_step_s``: plain decoding's measured decode seconds per step. None where a
-    figure is missing."""
-    if bare is None or not counts.steps:
+def spec_limit(bare: ForwardTimes | None, counts: SpecCounts, outs: Sequence[Any],
+               plain_passes: Sequence[Sequence[Any]], *, after_other: bool = False) -> float | None:
+    """The analytic limit τ_decode · S_plain / C_spec (:mod:`specdec.spec.metrics`), the one
+    place every tool (the run summary, spec.py, compare_hf.py) computes it:
+
+    - τ_decode: ``outs`` (the method's requests: ``GenerationOutput`` or a run record's
+      entries) give the decode tokens and the first steps (one per request, per turn of a
+      conversation), ``counts`` (theirs, merged) the steps (:func:`decode_tau`);
+    - S_plain: :func:`plain_step_s` of each of ``plain_passes`` (plain decoding's timed
+      passes, the baseline of the decode speedup), the median over passes;
+    - C_spec: ``bare.step_s`` at the run's mean drafts per step.
+
+    None where a figure is missing (no bare times, a request without decode timing, a
+    plain pass without it), never replaced by another."""
+    if bare is None or not counts.steps or not outs or not plain_passes:
         return None
-    tau = decode_tau(decode_tokens, counts.steps, first_steps)
-    return analytic_limit(tau=tau, plain_step_s=plain_step_s,
+    if any(_field(x, "decode_s") is None for x in outs):
+        return None
+    plain = [plain_step_s(p) for p in plain_passes]
+    if None in plain:
+        return None
+    first_steps = sum(len(_field(x, "turns") or [0]) for x in outs)
+    tau = decode_tau(sum(_field(x, "decode_tokens") for x in outs), counts.steps, first_steps)
+    return analytic_limit(tau=tau, plain_step_s=statistics.median(plain),  # type: ignore[type-var]
                           spec_step_s=bare.step_s(counts.tree_size, after_other=after_other))
 
 
-def plain_step_s(outs: Sequence[GenerationOutput]) -> float | None:
+def _field(x: Any, key: str) -> Any:
+    """``x.key`` of a ``GenerationOutput``, ``x[key]`` of a run record's entry (None: absent)."""
+    return x.get(key) if isinstance(x, Mapping) else getattr(x, key, None)
+
+
+def plain_step_s(outs: Sequence[Any]) -> float | None:
     """Plain decoding's decode-phase seconds per step of one pass (each request gains one
-    token a step): its decode seconds ÷ decode tokens. None without decode timing."""
-    tokens = sum(x.decode_tokens for x in outs)
-    secs = [x.decode_s for x in outs]
+    token a step): its decode seconds ÷ decode tokens (``GenerationOutput`` or a run
+    record's entries). None without decode timing."""
+    tokens = sum(_field(x, "decode_tokens") or 0 for x in outs)
+    secs = [_field(x, "decode_s") for x in outs]
     return sum(secs) / tokens if tokens and None not in secs else None  # type: ignore[arg-type]
 
 
-def pass_limit(bare: ForwardTimes | None, stats: RunStats, outs: Sequence[GenerationOutput],
-               plain_passes: Sequence[Sequence[GenerationOutput]], *, after_other: bool = False) -> float | None:
-    """:func:`spec_limit` of one timed pass of a benchmark: its ``stats`` (reset before the
-    pass) and outputs ``outs``; S_plain is the median over ``plain_passes``, the baseline's."""
-    plain = [s for s in map(plain_step_s, plain_passes) if s is not None]
-    return spec_limit(bare, stats.counts, first_steps=sum(1 for c in stats.per_request.values() if c.steps),
-                      decode_tokens=sum(x.decode_tokens for x in outs),
-                      plain_step_s=statistics.median(plain) if len(plain) == len(plain_passes) and plain else None,
-                      after_other=after_other)
+def pass_limit(timing: Timing[Any], name: str, bare: ForwardTimes | None, counts: SpecCounts, *,
+               after_other: bool = False) -> float | None:
+    """:func:`spec_limit` of run ``name`` of a benchmark's timing: its last timed pass's
+    outputs and ``counts`` (the pipeline's stats, reset before each pass), against every
+    pass of the baseline (plain decoding)."""
+    return spec_limit(bare, counts, timing.last(name), timing.outputs[timing.baseline], after_other=after_other)
+
+
+def limit_context(prompt_lens: Sequence[int], new_tokens: int) -> int:
+    """The context length the limit's bare forwards are timed at: the mean context of a
+    decode step, the prompts' mean length plus half the new tokens (every tool)."""
+    return int(sum(prompt_lens) / max(len(prompt_lens), 1)) + new_tokens // 2
 
 
 def step_breakdown(stats: RunStats, wall_s: float, bare: ForwardTimes | None) -> dict[str, Any]:
@@ -535,50 +561,30 @@ def _forward_times(methods: Mapping[str, LLM], t: Mapping[tuple[str, str], float
     out = {}
     for n, llm in methods.items():
         rows, forwards, drafts = step_shape(llm)
-        out[n] = ForwardTimes(t[n, "t1"], t[n, "tg"], t.get((n, "td")) or 0.0,  # type: ignore[arg-type]
-                              rows, forwards, drafts, t.get((n, "tg_after")), t.get((n, "td_after")),
-                              t.get(PLAIN_STEP))
+        td = t.get((n, "td")) if llm.pipeline.proposer.has_draft_cost() else 0.0  # None: not timed
+        out[n] = ForwardTimes(t.get((n, "t1")), t.get((n, "tg")), td,  # type: ignore[arg-type]
+                              rows, forwards, drafts, t.get((n, "tg_after")), t.get((n, "td_after")))
     return out
-
-
-PLAIN_STEP = ("", "plain step")  # limit_forward_times' key of plain decoding's step in the loop
-
-
-def plain_step_timer(llm: LLM, batch: int = 1) -> Callable[[int, int], float | None]:
-    """A timer of plain decoding's decode step *in its loop* (``llm`` decoding plain):
-    ``(ctx_len, repeats) -> seconds``, ``batch`` requests of ``ctx_len`` tokens generating
-    ``repeats`` + 1 tokens each (:func:`plain_step_s` of them; None if a request failed)."""
-    from specdec.core.context import SamplingParams
-
-    def time_it(ctx_len: int, repeats: int) -> float | None:
-        sp = SamplingParams(max_new_tokens=repeats + 1, ignore_eos=True)
-        outs = llm.generate([[1] * max(ctx_len, 1) for _ in range(batch)], sp)
-        return None if any(o.decode_s is None for o in outs) else plain_step_s(outs)
-
-    return time_it
 
 
 def limit_forward_times(
     methods: Mapping[str, LLM], ctx_len: int, *, rounds: int = 5, repeats: int = 10,
-    after_other: bool | Collection[str] = False, plain: LLM | None = None, batch: int = 1,
+    after_other: bool | Collection[str] = False,
 ) -> dict[str, ForwardTimes]:
     """Per speculative method (its ``LLM``): T_target(1) and T_target(γ+1) of its
     target, T_draft(1) of its drafter's one-token forward (a draft model's, an
-    EAGLE head's step; 0 for a model-free method), all interleaved, at one moment
-    (the benchmarks time them *with* their passes instead: :func:`limit_runs`).
+    EAGLE head's step; 0 for a model-free method), all interleaved, at one moment.
+    The tools do not take their limit from these: they time the same forwards *with*
+    their passes (:func:`limit_runs`), so that C_spec and S_plain share the machine's moments.
 
     γ is the method's ``num_speculative_tokens`` (adaptive γ: the most it drafts).
     ``after_other``: also T_target(γ+1) with the drafter's bare drafting run once
     (its timer's one call, no warm-up) before each timed forward (``ForwardTimes.t_target_g1_after_draft``), and T_draft(1)
     with one bare verification forward of the target before each timed drafting
     (``t_draft_1_after_target``), for every method with a drafter (True) or for
-    those named. ``plain``: also plain decoding's step in its loop (``ForwardTimes.plain_step_s``),
-    that LLM decoding ``batch`` requests (:func:`plain_step_timer`), in the same rounds.
+    those named.
     """
-    timers: dict[tuple[str, str], Any] = dict(limit_timers(methods, after_other=after_other))
-    if plain is not None:
-        timers[PLAIN_STEP] = plain_step_timer(plain, batch)
-    t = bare_forward_times(timers, ctx_len, rounds=rounds, repeats=repeats)
+    t = bare_forward_times(limit_timers(methods, after_other=after_other), ctx_len, rounds=rounds, repeats=repeats)
     return _forward_times(methods, t)
 
 
@@ -624,14 +630,19 @@ def with_room_for_bare(rt: RuntimeConfig, extra_tokens: int = 64) -> RuntimeConf
                                .blocks(extra_tokens))
 
 
-def limit_from(timing: Timing[Any], methods: Mapping[str, LLM]) -> dict[str, ForwardTimes]:
-    """Each method's :class:`ForwardTimes` from the :func:`limit_runs` contestants of a
-    :func:`lockstep` timing: per bare forward, the median over every round of every pass."""
-    t: dict[tuple[str, str], float] = {}
-    for key, outs in timing.outputs.items():
+def limit_from(rounds: Timing[Any] | Mapping[str, Sequence[Sequence[float]]],
+               methods: Mapping[str, LLM]) -> dict[str, ForwardTimes]:
+    """Each method's :class:`ForwardTimes` from the :func:`limit_runs` contestants of one
+    :func:`lockstep` timing, or of several (the run's batches: their ``outputs`` gathered,
+    key -> every pass's rounds): per bare forward, the median over every round of every
+    pass. A forward with no round timed is missing (None), and so is what needs it."""
+    outputs = rounds.outputs if isinstance(rounds, Timing) else rounds
+    t: dict[tuple[str, str], float | None] = {}
+    for key, outs in outputs.items():
         if key.startswith(LIMIT_RUN):
             name, what = key[len(LIMIT_RUN):].rsplit(": ", 1)
-            t[name, what] = statistics.median(x for out in outs for x in out)
+            xs = [x for out in outs for x in out]
+            t[name, what] = statistics.median(xs) if xs else None
     return _forward_times(methods, t)
 
 

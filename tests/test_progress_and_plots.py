@@ -83,7 +83,7 @@ def test_piped_run_prints_progress_before_the_table(tiny_pair, tmp_path):  # noq
     text = out.stdout
     table = text.index("method  ")  # the summary table's header
     before = [line for line in text[:table].splitlines() if line.startswith("[specdec ")]
-    for phase in ("loading models", "warm-up", "timing bare forwards"):  # a line at the start and at the end
+    for phase in ("loading models", "warm-up"):  # a line at the start and at the end
         assert any(phase in line and line.endswith("…") for line in before), (phase, text[:table])
         assert any(phase in line and "done in" in line for line in before), (phase, text[:table])
     last = [line for line in before if "requests 4/4" in line]

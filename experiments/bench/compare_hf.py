@@ -88,6 +88,7 @@ from specdec.measure import (
     emit_json,
     hf_model,
     interleave,
+    limit_context,
     limit_from,
     limit_runs,
     lockstep,
@@ -239,7 +240,7 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
     dm, plain = _ours("draft_model", c), _ours("plain", c)
     # Efficiency of our draft-model run against its analytic limit, whose bare forwards
     # are timed by turns in the same passes (measure.limit_runs).
-    ctx_len = max(len(p) for p in prompts) + n // 2
+    ctx_len = limit_context([len(p) for p in prompts], n)
     contestants = runs | limit_runs({dm: ours[dm]}, ctx_len, after_other=True)
     timing = timed_side_by_side(cfg, contestants, baseline=plain, repeats=cfg.repeats)
     bare = limit_from(timing, {dm: ours[dm]})[dm]
@@ -249,7 +250,7 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
     equal = {k: outputs_equal(_token_ids(timing.last(k)), ref) for k in runs}
     stats = ours[dm].pipeline.stats()  # the last timed pass's
     counts = stats.counts
-    limit = pass_limit(bare, stats, timing.last(dm), timing.outputs[plain])
+    limit = pass_limit(timing, dm, bare, counts)
     speedup = timing.speedup(dm)
     # The limit is a per-step model of decoding; this speedup leaves out each
     # request's first step (its prefill, the same work with or without speculation).
@@ -287,12 +288,12 @@ def batch1(cfg: CompareConfig, name: str, target: Path, draft: Path, prompts: li
         # and its drafting right after a verification forward (the breakdown's after_draft and
         # drafting_after_target): what is left once the caches' share is out.
         "efficiency_batch1_after_other": efficiency(
-            decode_speedup, pass_limit(bare, stats, timing.last(dm), timing.outputs[plain], after_other=True)),
+            decode_speedup, pass_limit(timing, dm, bare, counts, after_other=True)),
         "analytic_limit": limit,
         "efficiency_batch1_e2e_cap": (efficiency(ideal_plain / ideal_spec, limit)
                                       if ideal_plain is not None and ideal_spec else None),
         "first_steps_s": first,
-        "bare_ms": {k: v * 1e3 if v is not None and (k.startswith("t_") or k == "plain_step_s") else v
+        "bare_ms": {k: v * 1e3 if v is not None and k.startswith("t_") else v
                     for k, v in dataclasses.asdict(bare).items()},
         "decode_tok_s": {k: statistics.median(decode_rate(o) for o in timing.outputs[k]) for k in ours},
         "tau_draft_model": counts.tau,

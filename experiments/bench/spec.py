@@ -43,8 +43,8 @@ have evicted some of the target's weights from the CPU's caches, and
 ``drafting_after_target``: the step's bare drafting timed right after a bare
 verification forward, the same the other way round); the JSON gives
 them for γ = 4 (``step_breakdown``), ``accounted_min`` (the smallest share of a
-pass's wall time the phases account for) and ``plain_step_vs_bare`` (plain
-decoding's in-loop step over its bare forward T_target(1)).
+pass's wall time the phases account for) and ``plain_step_vs_bare`` (the limit's
+S_plain, plain decoding's decode-phase step in its loop, over its bare forward T_target(1)).
 
 Drafters that take a checkpoint get the shipped one for the built-in target
 (``specdec/zoo/code-draft``, ``code-eagle``, ``code-eagle3`` …; a proposer
@@ -76,8 +76,10 @@ from specdec.measure import (
     emit_json,
     limit_from,
     limit_runs,
+    limit_context,
     lockstep,
     pass_limit,
+    plain_step_s,
     load_config,
     outputs_equal,
     print_table,
@@ -201,10 +203,10 @@ def main(argv: list[str]) -> None:
                    before=llm.pipeline.reset_stats,
                    steps=lambda clock, llm=llm: llm.generate_steps(prompts, sp, clock=clock))
              for k, llm in llms.items()}
-    # Bare forward times at a typical context length, for the analytic limit, timed by
+    # Bare forward times at the mean decode context, for the analytic limit, timed by
     # turns in the same passes (measure.limit_runs). The γ = 4 chains (the JSON's
     # breakdown) also time the verification right after their drafter drafted.
-    ctx_len = max(len(p) for p in prompts) + cfg.new_tokens // 2
+    ctx_len = limit_context([len(p) for p in prompts], cfg.new_tokens)
     at4 = [k for k, (n, g) in grid.items() if g == 4 and not n.endswith(TREE_SUFFIX)]
     runs |= limit_runs({k: llms[k] for k in grid}, ctx_len, after_other=at4)
     timing = lockstep(runs, baseline="plain", repeats=cfg.repeats)
@@ -219,16 +221,17 @@ def main(argv: list[str]) -> None:
         speedup = timing.speedup(key)
         decode_speedup = timing.decode_speedup(key)
         bt = bare[key]
-        limit = pass_limit(bt, stats, timing.last(key), timing.outputs["plain"])
+        limit = pass_limit(timing, key, bt, counts)
         breakdown[key] = step_breakdown(stats, timing.times[key][-1], bt)
         rows.append({"proposer": name, "gamma": g, "tau": counts.tau, "alpha": counts.alpha,
                      "accepted_len": counts.accepted_length, "tree_size": counts.tree_size,
                      "tok_s": n_tokens / timing.median(key), "speedup": speedup, "decode_speedup": decode_speedup,
-                     "T_t(1)_ms": bare[key].t_target_1 * 1e3, "T_t(γ+1)_ms": bare[key].t_target_g1 * 1e3,
-                     "T_d(1)_ms": bare[key].t_draft_1 * 1e3, "limit": limit,
+                     "T_t(1)_ms": _ms(bt.t_target_1), "T_t(γ+1)_ms": _ms(bt.t_target_g1),
+                     "T_d(1)_ms": _ms(bt.t_draft_1), "limit": limit,
                      "efficiency": efficiency(decode_speedup, limit),
                      "equal": outputs_equal([o.token_ids for o in timing.last(key)], plain_ids)})
-    plain_step_ms = timing.median("plain") * 1e3 / (n_tokens / cfg.batch_size)  # one token per request per step
+    # The limit's S_plain (plain decoding's decode-phase step, median over its passes) over its bare T(1).
+    plain_step_ms = statistics.median(plain_step_s(o) or float("nan") for o in timing.outputs["plain"]) * 1e3
     t1_ms = statistics.median(b.t_target_1 for b in bare.values()) * 1e3
     print_table([{"method": "plain", "tok_s": n_tokens / timing.median("plain"), "step_ms": plain_step_ms,
                   "bare T_t(1)_ms": t1_ms, "step / bare": plain_step_ms / t1_ms}],
@@ -269,6 +272,11 @@ def main(argv: list[str]) -> None:
         "accounted_min": round(min(b["accounted"] for b in breakdown.values()), 4),
         "outputs_equal": all(r["equal"] for r in rows),
     })
+
+
+def _ms(seconds: float | None) -> float | None:
+    """Seconds in ms; None (not timed) stays None."""
+    return None if seconds is None else seconds * 1e3
 
 
 def _round(x: float | None, digits: int = 3) -> float | None:

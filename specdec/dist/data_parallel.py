@@ -126,7 +126,7 @@ def follow(rc: Any, comps: Any, runner_cls: Any) -> dict[str, Any]:
     for _ in run_batches(runner, reqs, rc.batch_size, plan["first_batch"], ctx):
         pass
     if _collective(ctx, "receiving the timing plan", ctx.broadcast_object, None) and reqs:
-        runner.forward_times(int(sum(len(r.ids) for r in reqs) / len(reqs)) + comps.sampling.max_new_tokens // 2)
+        runner.forward_times()
     return {}
 
 

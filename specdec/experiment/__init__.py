@@ -71,7 +71,6 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 
 from specdec.conf_schema import Components, RunConfig, build_components, to_plain_dict, to_run_config
-from specdec.core.kv_cache import OutOfBlocks
 from specdec.data.prompts import load_prompts
 from specdec.experiment.rundir import (
     CONFIG_FILE,
@@ -294,15 +293,10 @@ def _run_in(rc: RunConfig, comps: Components, rdir: Path, dctx: DistContext) -> 
                     write_json(rdir / SUMMARY_FILE, so_far)
                     progress.update(len(done), so_far)
             dp.lead_timing(dctx, bool(comps.methods and not timings and reqs))
-            if comps.methods and not timings:  # bare forward times for the analytic limit
-                ctx_len = int(sum(len(r.ids) for r in reqs) / len(reqs)) + comps.sampling.max_new_tokens // 2
-                try:
-                    with progress.phase(f"timing bare forwards for the analytic limit (context {ctx_len})"):
-                        times = runner.forward_times(ctx_len)
+            if comps.methods and not timings:  # the analytic limit's bare forwards, timed within the batches
+                times = runner.forward_times()
+                if times:
                     timings.update({n: asdict(t) for n, t in times.items()})
-                except OutOfBlocks as e:  # the results stand without their limit
-                    log.warning("no analytic limit: %s", e)
-                else:
                     write_json(timings_file, timings)
         summary = current_summary()
         write_json(rdir / SUMMARY_FILE, summary)

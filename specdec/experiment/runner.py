@@ -2,7 +2,10 @@
 
 Each batch runs once per pipeline, the pipelines by turns of a few steps
 (:func:`specdec.measure.lockstep`; the order rotated batch to batch), and
-comes back as one record per request (the layout of ``results.jsonl``).
+comes back as one record per request (the layout of ``results.jsonl``). The
+analytic limit's bare forwards are contestants of every batch too (as in the
+benchmarks: :func:`specdec.measure.limit_runs`); :meth:`Runner.forward_times` takes
+their medians over the batches.
 
 Prompts go through the target's chat template with ``data.chat=true``
 (:mod:`specdec.data.chat`). A conversation (``data.turn=null``) runs turn by
@@ -18,6 +21,7 @@ compare all turns' outputs, concatenated.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -27,16 +31,31 @@ from typing import Any
 from specdec.api import LLM
 from specdec.conf_schema import Components
 from specdec.core.context import SamplingParams, TextContext
+from specdec.core.kv_cache import OutOfBlocks
 from specdec.data.chat import ChatTemplate, ChatTemplateError, conversation_prompt, load_chat_template
 from specdec.data.prompts import Prompt
 from specdec.dist.group import current
 from specdec.engine import drain
 from specdec.experiment.rundir import PLAIN, ExperimentError
 from specdec.experiment.summary import Repetition, merge_counts
-from specdec.measure import ForwardTimes, Run, first_mismatch, limit_forward_times, lockstep, warm_up
+from specdec.measure import (
+    LIMIT_RUN,
+    ForwardTimes,
+    Run,
+    first_mismatch,
+    limit_context,
+    limit_from,
+    limit_runs,
+    lockstep,
+    warm_up,
+    with_room_for_bare,
+)
 from specdec.spec.metrics import SpecCounts
 
+log = logging.getLogger(__name__)
+
 Item = tuple[str, list[int], SamplingParams]  # request id, prompt ids, sampling
+LIMIT_CHUNKS = 4  # rounds of each bare forward of the analytic limit per batch (per turn)
 
 
 @dataclass
@@ -158,13 +177,18 @@ class Runner:
             comps.target, time_limit_s=comps.data.chat_time_limit_s, max_chars=comps.data.chat_max_chars
         ) if comps.data.chat else None
         self.llms: dict[str, LLM] = {}
+        # Room in each cache for the limit's bare forwards, timed beside a batch's requests.
+        runtime = with_room_for_bare(comps.runtime)
         for name, mcfg in {PLAIN: None, **comps.methods}.items():
             try:
-                self.llms[name] = LLM(comps.target, mcfg, comps.runtime, comps.engine)
+                self.llms[name] = LLM(comps.target, mcfg, runtime, comps.engine)
             except (ValueError, KeyError, OSError) as e:
                 what = "plain decoding of the target" if mcfg is None else f"method {name!r}"
                 raise ExperimentError(f"cannot build {what}: {e}") from e
         self.gammas = {name: int(m.num_speculative_tokens) for name, m in comps.methods.items()}
+        # Every batch's rounds of the analytic limit's bare forwards (measure.limit_runs), by contestant.
+        self.bare_rounds: dict[str, list[list[float]]] = {}
+        self.no_room_for_bare = False  # a bare forward did not fit in the KV cache: no limit
 
     @property
     def plain(self) -> LLM:
@@ -264,8 +288,12 @@ class Runner:
         runs = {name: Run(partial(_generate, llm, items[name]), before=llm.pipeline.reset_stats,
                           steps=partial(_generate_steps, llm, items[name]))
                 for name, llm in self.llms.items()}
+        runs |= self._limit_runs(items[PLAIN])
         # Tensor-parallel ranks run every forward together: each turn ends where rank 0's clock ends it.
         timing = lockstep(runs, baseline=PLAIN, repeats=1, warmup=0, offset=offset, decide=current().decide)
+        for key, rounds in timing.outputs.items():
+            if key.startswith(LIMIT_RUN):
+                self.bare_rounds.setdefault(key, []).extend(rounds)
         for name, llm in self.llms.items():
             n = len(items[name])
             if not n:
@@ -323,7 +351,35 @@ class Runner:
             rec["methods"][name] = e
         return rec
 
-    def forward_times(self, ctx_len: int) -> dict[str, ForwardTimes]:
-        """Bare forward times of each method's models at ``ctx_len``, for its analytic limit."""
-        return limit_forward_times({name: self.llms[name] for name in self.comps.methods}, ctx_len,
-                                   plain=self.llms[PLAIN], batch=self.comps.runtime.max_batch_size)
+    def _limit_runs(self, plain_items: Sequence[Item]) -> dict[str, Run[list[float]]]:
+        """The bare forwards of each method's analytic limit as contestants of a turn
+        (:func:`specdec.measure.limit_runs`, as the benchmarks time them): ``LIMIT_CHUNKS``
+        rounds each, at the turn's mean decode context. A forward that does not fit beside
+        the batch in the KV cache (a ``runtime.num_blocks`` set too small) says so once and
+        leaves the limit missing; the batch's own results stand."""
+        if not self.comps.methods or not plain_items or self.no_room_for_bare:
+            return {}
+        ctx_len = limit_context([len(ids) for _, ids, _ in plain_items], self.comps.sampling.max_new_tokens)
+        methods = {name: self.llms[name] for name in self.comps.methods}
+        return {k: replace(run, steps=self._no_room_ends(run)) for k, run in
+                limit_runs(methods, ctx_len, chunks=LIMIT_CHUNKS).items()}
+
+    def _no_room_ends(self, run: Run[list[float]]) -> Callable[[Callable[[], float]], Generator[None, None, Any]]:
+        """``run``'s steps, ending with no rounds (and the warning, once) where a bare forward does not fit."""
+        def steps(clock: Callable[[], float]) -> Generator[None, None, list[float]]:
+            assert run.steps is not None
+            try:
+                return (yield from run.steps(clock))
+            except OutOfBlocks as e:
+                if not self.no_room_for_bare:
+                    log.warning("no analytic limit: %s", e)
+                self.no_room_for_bare = True
+                return []
+        return steps
+
+    def forward_times(self) -> dict[str, ForwardTimes]:
+        """Each method's bare forward times for its analytic limit, from the rounds timed
+        within the batches run so far (empty: none timed, or one did not fit)."""
+        if self.no_room_for_bare or not self.bare_rounds:
+            return {}
+        return limit_from(self.bare_rounds, {name: self.llms[name] for name in self.comps.methods})

@@ -212,14 +212,11 @@ def _method_figures(
     }
     m.update(_step_time(ents))
     if forward_times:
-        # The limit models decoding steps (spec/metrics.py): decode-phase τ; S_plain, plain
-        # decoding's step in its loop, and C_spec timed together after the run (a ratio of
-        # two moments' speeds would carry the machine's drift). No decode timing: both missing.
-        ft = ForwardTimes(**forward_times)
-        m["analytic_limit"] = spec_limit(
-            ft, counts, first_steps=sum(len(e.get("turns") or [0]) for e in ents),
-            decode_tokens=sum(e["decode_tokens"] for e in ents), plain_step_s=ft.plain_step_s,
-        ) if all("decode_tokens" in e for e in ents) else None
+        # One definition in every tool (measure.spec_limit): decode-phase τ of these requests,
+        # S_plain from plain decoding's same requests (the decode speedup's baseline), C_spec
+        # from the bare forwards timed by turns within the run's batches.
+        m["analytic_limit"] = spec_limit(ForwardTimes.from_dict(forward_times), counts, ents,
+                                         [[r[PLAIN] for r in both]])
         m["efficiency"] = efficiency(m["decode_speedup"], m["analytic_limit"])
         m["forward_times_s"] = dict(forward_times)
     return m

@@ -25,7 +25,8 @@ steps, comparable with bare one-step forward times.
 On a GPU the host clock sees launches, not kernels (the device work lands in
 ``sync``); on the CPU every phase is its own compute.
 
-Analytic limit and efficiency (:func:`analytic_limit`; every tool computes them here):
+Analytic limit and efficiency (:func:`analytic_limit`; every tool, the run summary and the
+benchmarks alike, through :func:`specdec.measure.spec_limit`):
 
     limit      = τ_decode · S_plain / C_spec
     efficiency = decode_speedup / limit
@@ -33,13 +34,13 @@ Analytic limit and efficiency (:func:`analytic_limit`; every tool computes them 
 - ``τ_decode``: tokens per step after each request's first step (the prefill, the
   same work with or without speculation): decode tokens ÷ (steps - first steps);
 - ``S_plain``: plain decoding's decode-phase seconds per step in its own loop, same
-  batch (decode seconds ÷ decode tokens per request), timed at the same moments as
-  ``C_spec``'s forwards so that their ratio holds while the machine's speed drifts: a
-  benchmark's plain passes (the bare forwards timed by turns within them), the run's
-  plain decoding timed beside the bare forwards after its requests;
+  batch (decode seconds ÷ decode tokens per request), of the very plain passes the
+  decode speedup divides by (median over passes; the run's batches are one pass);
 - ``C_spec``: the bare cost of what the method's decode step runs
   (:func:`specdec.spec.cost.step_cost`: the target over the rows it verified on
-  average, the drafter's forwards as they run), from bare forward times of one request.
+  average, the drafter's forwards as they run), from bare forward times of one request
+  at the mean decode context (mean prompt + half the new tokens), timed by turns within
+  those same passes, so that S_plain / C_spec holds while the machine's speed drifts.
 
 Every speculative step costs at least ``C_spec``, so the limit is the speedup a
 speculative step with no host work at all would reach over this run's plain decoding,

@@ -392,19 +392,6 @@ def test_a_dynamic_trees_step_is_charged_its_depth_of_draft_forwards(target, gen
     assert step_shape(llm) == (7, 2.0, 6)  # rows γ + 1, forwards = depth, drafts = the node budget
 
 
-def test_plain_decodings_loop_step_is_timed_with_the_bare_forwards(target, generate) -> None:
-    # The run summary's S_plain: plain decoding's decode step in its own loop (engine and
-    # all), timed in the same rounds as the bare forwards, so it costs at least the bare T(1).
-    from specdec.measure import limit_forward_times
-
-    _, plain = generate(target, None, [[3, 14, 15, 9]], SamplingParams(max_new_tokens=2))
-    _, llm = generate(target, DraftModelConfig(path=str(target.path), num_speculative_tokens=2),
-                      [[3, 14, 15, 9]], SamplingParams(max_new_tokens=2))
-    ft = limit_forward_times({"m": llm}, 16, rounds=2, repeats=3, plain=plain)["m"]
-    assert ft.plain_step_s is not None and ft.plain_step_s > 0.5 * ft.t_target_1
-    assert limit_forward_times({"m": llm}, 16, rounds=1, repeats=2)["m"].plain_step_s is None  # not asked for
-
-
 def test_bench_checkpoints_in_scratch_dirs_go_when_the_process_exits() -> None:
     # Benches on random targets save checkpoints and heads per run; they must not pile up in /tmp.
     import os
