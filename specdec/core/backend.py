@@ -5,11 +5,13 @@ module, ``module(inputs)``; what runs behind that call is its :class:`Backend`, 
 once when the model is loaded (:func:`load_backend`, after its weights are packed):
 
 - ``native``: the module's whole forward is one C++ call on our float32 CPU kernels
-  (``specdec_cpu::decoder_forward``, :mod:`specdec.core.kernels`). A module offers it
-  by a ``native_operands()`` method (the op's weight operands, or None where it cannot
-  serve); the backend gathers them once and holds the only calls of the ops. Such a
-  backend may also run a greedy draft chain's one-token steps as one more call
-  (:meth:`NativeBackend.draft_chain`). Compiling buys nothing there, and a compiled
+  (:mod:`specdec.core.kernels`: ``decoder_forward`` for a decoder, ``eagle_forward`` for an
+  EAGLE head, ``medusa_forward`` for Medusa heads; the module's ``native_kind`` says which).
+  A module offers it by a ``native_operands()`` method (the op's weight operands, or None
+  where it cannot serve); the backend gathers them once and holds the only calls of the
+  ops. Such a backend may also run a greedy draft chain's one-token steps as one more call
+  (:meth:`NativeBackend.draft_chain`, :meth:`NativeEagleBackend.head_chain`). Compiling buys
+  nothing there, and a compiled
   graph around its calls would only break at the call: ``compile_around`` is False.
 - ``compiled``: ``torch.compile`` of the module's class ``forward``, a copy of its code
   of its own (:func:`compile_decoder`).
@@ -41,6 +43,8 @@ class Backend:
     compile_around: ClassVar[bool] = True  # a compiled graph around the module's calls pays (dynamo's cost per call)
     # A greedy one-request draft chain's steps in one call, where the backend has one (NativeBackend).
     draft_chain: Callable[..., torch.Tensor] | None = None
+    # The same for an EAGLE head's chain (NativeEagleBackend).
+    head_chain: Callable[..., torch.Tensor] | None = None
 
     def __init__(self, module: nn.Module, kind: str = "eager") -> None:
         self.module = module
@@ -50,6 +54,17 @@ class Backend:
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]] | None:
         """The forward's layers as one native call (see :class:`NativeBackend`); None: the
         module runs its Python."""
+        return None
+
+    def eagle_step(self, inputs: DecoderInputs, feature: torch.Tensor, groups: list[Any]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """An EAGLE head's forward as one native call (:class:`NativeEagleBackend`); None: the
+        head runs its Python."""
+        return None
+
+    def medusa_heads(self, hidden: torch.Tensor, num: int) -> torch.Tensor | None:
+        """Medusa heads' forward as one native call (:class:`NativeMedusaBackend`); None: the
+        heads run their Python."""
         return None
 
     def __repr__(self) -> str:
@@ -87,6 +102,67 @@ class NativeBackend(Backend):
             logits, step_positions, step_slots, gather_slots, kv.k, kv.v, m.rope_cos, m.rope_sin, *self.operands)
 
 
+class _NativeHead(Backend):
+    """A draft head whose forward is one native call on ``operands`` (its ``native_operands()``)."""
+
+    compile_around = False
+
+    def __init__(self, module: nn.Module, operands: tuple[Any, ...]) -> None:
+        super().__init__(module, "native")
+        self.operands = operands
+
+
+class NativeEagleBackend(_NativeHead):
+    """An EAGLE head (``specdec/models/eagle.py``) whose forward is one
+    ``specdec_cpu::eagle_forward`` call, and whose greedy one-request chain is one
+    ``specdec_cpu::eagle_steps`` call: the eager forward's bits."""
+
+    def eagle_step(self, inputs: DecoderInputs, feature: torch.Tensor, groups: list[Any]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """EagleHead.forward's step over ``inputs`` (tokens, positions, the head's cache,
+        attention ``groups``) and ``feature`` [T, d'] -> (h [T, d], h at the logit rows [N, d],
+        target-vocabulary logits [N, V])."""
+        run = _eagle_traced if torch.compiler.is_compiling() else _eagle
+        return run(self.module, self.operands, inputs, feature, groups)
+
+    def head_chain(self, logits: torch.Tensor, h: torch.Tensor, pos0: torch.Tensor,  # type: ignore[override]
+                   steps: int, gather: torch.Tensor, kv: KVCacheTensors) -> torch.Tensor:
+        """One request's greedy chain after its catch-up (``logits`` [1, V], state ``h`` [1, d]
+        at the bonus row's position ``pos0`` [1]): the argmax, then ``steps`` one-token steps
+        reading head slots ``gather`` [1, K + steps] -> drafts [1, steps + 1], the bits
+        ``EagleDrafter._chain_steps`` gets."""
+        m = self.module
+        return torch.ops.specdec_cpu.eagle_steps.default(logits, h, pos0, steps, gather, kv.k, kv.v, m.rope_cos,
+                                                         m.rope_sin, *self.operands)
+
+
+class NativeMedusaBackend(_NativeHead):
+    """Medusa heads (``specdec/models/medusa.py``) whose forward (every head's ResBlocks and
+    logits) is one ``specdec_cpu::medusa_forward`` call: the eager forward's bits."""
+
+    def medusa_heads(self, hidden: torch.Tensor, num: int) -> torch.Tensor:
+        """Logits [B, num, V] of the first ``num`` heads on ``hidden`` [B, H] (float32)."""
+        blocks, biases, layers, heads, vocab = self.operands
+        own = heads if len(heads) == 1 else heads[:num]
+        return _medusa(hidden, blocks[:num], biases[:num], layers, own, vocab)
+
+
+def _medusa(hidden: torch.Tensor, blocks: list[torch.Tensor], biases: list[torch.Tensor | None], layers: int,
+            heads: list[torch.Tensor], vocab: int) -> torch.Tensor:
+    return torch.ops.specdec_cpu.medusa_forward.default(hidden, blocks, biases, layers, heads, vocab)
+
+
+def _eagle(module: nn.Module, operands: tuple[Any, ...], inputs: DecoderInputs, feature: torch.Tensor,
+           groups: list[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    per = ([g.inputs.slot_mapping for g in groups], [g.slots for g in groups], [g.mask for g in groups],
+           [f for g in groups for f in (int(g.causal), int(g.single))], [g.inputs.q_index for g in groups],
+           [g.inputs.out_index for g in groups], [g.inputs.positions.shape[0] for g in groups])
+    cache = groups[0].cache
+    return torch.ops.specdec_cpu.eagle_forward.default(
+        inputs.tokens, feature, inputs.positions, cache.k, cache.v, inputs.logit_index, *per, module.rope_cos,
+        module.rope_sin, *operands)
+
+
 def _stack(module: nn.Module, operands: tuple[Any, ...], inputs: DecoderInputs, groups: list[Any],
            rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     cache = groups[0].cache
@@ -107,13 +183,20 @@ def _stack(module: nn.Module, operands: tuple[Any, ...], inputs: DecoderInputs, 
 # Traced (a compiled graph around a native module's call), the call runs as it is, between
 # two graphs: the same bits as eager, never a traced copy of the forward.
 _stack_traced = torch.compiler.disable(_stack)
+_eagle_traced = torch.compiler.disable(_eagle)
+
+# The native backend of each kind of module (its ``native_kind``; a decoder by default).
+_NATIVE: dict[str, type[NativeBackend] | type[_NativeHead]] = {"decoder": NativeBackend, "eagle": NativeEagleBackend,
+                                           "medusa": NativeMedusaBackend}
 
 
 def _choose(module: nn.Module) -> Backend:
     """Native where the module offers operands for it (packed for our kernels), else eager."""
     offer = getattr(module, "native_operands", None)
     operands = offer() if callable(offer) else None
-    return NativeBackend(module, operands) if operands is not None else Backend(module)
+    if operands is None:
+        return Backend(module)
+    return _NATIVE[getattr(module, "native_kind", "decoder")](module, operands)
 
 
 def backend_of(module: nn.Module) -> Backend:

@@ -23,6 +23,11 @@ EAGLE-1, its lm_head) by reference: :meth:`EagleHead.attach_target`.
       logits = lm_head(norm(h))                       over the draft vocabulary;
       target id of draft id i = i + d2t[i]
 
+On our float32 CPU kernels (packed by ``pack_layers``) a head's backend is native
+(:mod:`specdec.core.backend`): its forward is one C++ call (``specdec_cpu::eagle_forward``)
+computing what the Python computes, bit for bit, and a greedy one-request chain of draft
+steps one more (``eagle_steps``).
+
 Published layouts load as they are (``load_decoder(path, role=Role.DRAFT_HEAD)``);
 :func:`save_head` writes them.
 """
@@ -37,13 +42,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from specdec.core.backend import forward_checking_rows
+from specdec.core.backend import backend_of, forget_backend, forward_checking_rows
 from specdec.core.inputs import DecoderInputs
 from specdec.core.linear import Linear
 from specdec.core.registry import DecoderModule, Role, register
 from specdec.models.config import MAX_SIZES, LlamaConfig, hf_config_dict, short_repr
-from specdec.models.llama import (MLP, Attend, Attention, DecoderLayer, DenseCausalAttend, RMSNorm, RopeTables,
-                                  paged_attend)
+from specdec.models.llama import (MLP, Attend, Attention, DecoderLayer, DenseCausalAttend, GroupedAttend,
+                                  PagedAttend, RMSNorm, RopeTables, paged_attend)
 
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 
@@ -194,6 +199,7 @@ class EagleHead(RopeTables, DecoderModule):
 
     config_cls = EagleHeadConfig
     attention_kernel: str | None = None  # "specdec": our CPU attention kernel (set by pack_layers)
+    native_kind = "eagle"  # its native backend runs specdec_cpu::eagle_forward
     # A published EAGLE-1 file may carry the target's embedding: it is not read.
     strict_state_dict_loading = False
 
@@ -209,6 +215,61 @@ class EagleHead(RopeTables, DecoderModule):
     def attach_target(self, embed: nn.Embedding, lm_head: nn.Module) -> None:
         """Borrows the target's embedding (and lm_head): the same tensors, not copies."""
         self.__dict__["_target"] = (embed, lm_head)
+        forget_backend(self)  # (its native operands include them)
+
+    def after_pack(self) -> None:
+        """Called by ``pack_layers``: the backend chosen for the old weights is stale."""
+        forget_backend(self)
+
+    def native_operands(self) -> tuple[Any, ...] | None:
+        """The head's operands of ``specdec_cpu::eagle_forward`` after the rope tables (the
+        target's embedding; fc (EAGLE-1); EAGLE-3's input and hidden norms; the layer's weights,
+        biases and dims; eps; EAGLE-3's norm; the lm head, its bias and vocabulary; the
+        draft-to-target ids where the vocabularies differ; the target's vocabulary; the
+        attention scale), or None where it does not serve: a layer, norm or head not packed
+        for our kernels, no target attached, or an embedding that is not a float32 table."""
+        target = self.__dict__.get("_target")
+        if target is None or self.attention_kernel != "specdec":
+            return None
+        embed, lm_head = target
+        parts = self._native_parts()
+        if parts is None or type(embed) is not nn.Embedding or embed.weight.dtype != torch.float32:
+            return None
+        layer, fc, in_norm, hidden_norm, final_norm, head = parts
+        a, m = layer.self_attn, layer.mlp
+        lins = [a.qkv, a.o_proj, m.gate_up, m.down_proj, head] + ([fc] if fc is not None else [])
+        norms = [n for n in (layer.post_attention_layernorm, in_norm, hidden_norm, final_norm) if n is not None]
+        if (not all(isinstance(lin, Linear) and lin.kernel == "specdec" for lin in lins)
+                or not all(n.kernel == "specdec" for n in norms) or a.qk_norm or a.reduce is not None
+                or m.reduce is not None or len({n.eps for n in norms}) != 1):
+            return None
+        v, full = head.out_features, self.config.vocab_size
+        ids = self.draft_to_target if v != full else None
+        return (embed.weight, fc.packed if fc is not None else None, fc.bias if fc is not None else None,
+                in_norm.weight if in_norm is not None else None,
+                hidden_norm.weight if hidden_norm is not None else None,
+                [a.qkv.packed, a.o_proj.packed, layer.post_attention_layernorm.weight, m.gate_up.packed,
+                 m.down_proj.packed], [a.qkv.bias, a.o_proj.bias, m.gate_up.bias, m.down_proj.bias],
+                [a.n_heads, a.n_kv, a.head_dim, self.config.layer.intermediate_size], norms[0].eps,
+                final_norm.weight if final_norm is not None else None, head.packed, head.bias, v, ids, full,
+                a.head_dim ** -0.5)
+
+    def _native_parts(self) -> tuple[Any, ...] | None:
+        """(its layer, fc or None, input norm or None, hidden norm or None, final norm or None,
+        lm head) as :meth:`native_operands` hands them to the op."""
+        raise NotImplementedError
+
+    def _native_groups(self, attend: Attend) -> list[PagedAttend] | None:
+        """The attention groups :meth:`forward` hands to a native backend's one call, or None
+        where the Python runs this call (as ``LlamaDecoder._native_groups``): gradients, another
+        attention, rope tables not built, or a forward that hides each row's non-finite keys."""
+        if torch.is_grad_enabled() or not self._rope_len:
+            return None
+        groups = attend.groups if isinstance(attend, GroupedAttend) else [attend]
+        if not all(isinstance(g, PagedAttend) and g.own_kernel and not (g.isolate_rows and g.rows_meet)
+                   for g in groups):
+            return None
+        return groups
 
     @property
     def embed(self) -> nn.Embedding:
@@ -261,17 +322,23 @@ class EagleHead(RopeTables, DecoderModule):
 
     def forward(self, inputs: DecoderInputs, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Packed ragged step over the head's paged cache (``inputs.kv_cache``):
-        feature [T, H] -> (h [N, H], target-vocabulary logits [N, V]) at ``logit_index``."""
+        feature [T, H] -> (h [N, H], target-vocabulary logits [N, V]) at ``logit_index``.
+        Native (module doc): one C++ call, the Python's bits."""
         assert inputs.kv_cache is not None, "DecoderInputs.kv_cache is required"
+        backend = backend_of(self)
         cos, sin = self.rope_for(inputs.positions)
 
-        def run(isolate: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        def run(isolate: bool) -> tuple[tuple[torch.Tensor, torch.Tensor | None], torch.Tensor, bool]:
             attend = paged_attend(inputs, inputs.kv_cache, None, isolate_rows=isolate, kernel=self.attention_kernel)
+            groups = self._native_groups(attend)
+            out = backend.eagle_step(inputs, feature, groups) if groups is not None else None
+            if out is not None:
+                return (out[1], out[2]), out[0], attend.rows_meet
             h = self.step(inputs.tokens, feature, cos, sin, attend)
-            return h, h, attend.rows_meet
+            return (h[inputs.logit_index], None), h, attend.rows_meet
 
-        h = forward_checking_rows(run, feature.device)[inputs.logit_index]
-        return h, self.target_logits(h)
+        h, logits = forward_checking_rows(run, feature.device)
+        return h, logits if logits is not None else self.target_logits(h)
 
     def forward_dense(self, tokens: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
         """Causal step over ``tokens`` [B, S] and ``feature`` [B, S, H] at positions
@@ -307,6 +374,9 @@ class Eagle1Head(EagleHead):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self._target[1](h)
 
+    def _native_parts(self) -> tuple[Any, ...] | None:
+        return self.layers[0], self.fc, None, None, None, self._target[1]
+
     def prepare_for_inference(self) -> Eagle1Head:
         self.layers[0].self_attn.fuse()
         self.layers[0].mlp.fuse()
@@ -340,6 +410,7 @@ class Eagle3Head(EagleHead):
         self.t2d.zero_()
         self.t2d[ids] = True
         self._ids = self._draft_ids()
+        forget_backend(self)  # (its native operands hold the map)
 
     def project(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
         if aux is None:
@@ -352,6 +423,10 @@ class Eagle3Head(EagleHead):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))
+
+    def _native_parts(self) -> tuple[Any, ...] | None:
+        m = self.midlayer
+        return m, None, m.input_layernorm, m.hidden_norm, self.norm, self.lm_head
 
     def prepare_for_inference(self) -> Eagle3Head:
         self.midlayer.self_attn.fuse()

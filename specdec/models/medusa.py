@@ -31,6 +31,10 @@ optional ``hidden_size`` / ``vocab_size`` (published configs leave them to the
 base model: they are then read off the tensors' shapes) and ``torch_dtype``.
 A head whose hidden size or vocabulary does not match its target fails before
 any weight is read, naming the mismatch (:func:`check_medusa_fits`).
+
+On our float32 CPU kernels (packed by ``pack_layers``) the heads' backend is native
+(:mod:`specdec.core.backend`): every head's blocks and logits are one C++ call
+(``specdec_cpu::medusa_forward``), the eager forward's bits.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.core.backend import backend_of, forget_backend
 from specdec.core.linear import Linear
 from specdec.core.registry import DecoderModule, Role, register
 from specdec.models.config import MAX_SIZES, short_repr
@@ -129,6 +134,7 @@ class MedusaHeads(DecoderModule):
     """K Medusa heads; ``forward(h [..., H]) -> logits [..., K, V]``."""
 
     config_cls = MedusaHeadConfig
+    native_kind = "medusa"  # its native backend runs specdec_cpu::medusa_forward
 
     def __init__(self, config: MedusaHeadConfig) -> None:
         super().__init__()
@@ -153,6 +159,28 @@ class MedusaHeads(DecoderModule):
     def attach_target(self, lm_head: nn.Module) -> None:
         """Borrows the target's lm_head (the same tensor, not a copy); the shared layout needs it."""
         self.__dict__["_lm_head"] = lm_head
+        forget_backend(self)  # (its native operands include it)
+
+    def after_pack(self) -> None:
+        """Called by ``pack_layers``: the backend chosen for the old weights is stale."""
+        forget_backend(self)
+
+    def native_operands(self) -> tuple[Any, ...] | None:
+        """The heads' operands of ``specdec_cpu::medusa_forward`` (each head's block weight and
+        bias, the blocks a head applies, its lm head, or the one shared, and the vocabulary),
+        or None where it does not serve: a block or lm head not packed for our kernels, or a
+        shared lm head with a bias or not attached."""
+        blocks = [self.block(i).linear for i in range(self.num_heads)]
+        if self.config.shared_lm_head:
+            heads = [self._lm_head] if self._lm_head is not None else []
+        else:
+            heads = [self.medusa_head[i][-1] for i in range(self.num_heads)]  # type: ignore[index]
+        lins = blocks + heads
+        if not heads or not all(isinstance(m, Linear) and m.kernel == "specdec" for m in lins) or any(
+                h.bias is not None for h in heads):
+            return None
+        return ([b.packed for b in blocks], [b.bias for b in blocks], self.config.num_layers,
+                [h.packed for h in heads], heads[0].out_features)
 
     def block(self, i: int) -> ResBlock:
         return self.medusa_head[i][0]  # type: ignore[index,return-value]
@@ -184,7 +212,13 @@ class MedusaHeads(DecoderModule):
         return torch.stack([self.logits_of(i, y[..., i, :]) for i in range(y.shape[-2])], -2)
 
     def forward(self, hidden: torch.Tensor, num: int | None = None) -> torch.Tensor:
-        """Logits of the first ``num`` heads (all: None), ``[..., k, V]``: head ``i`` for ``t + 2 + i``."""
+        """Logits of the first ``num`` heads (all: None), ``[..., k, V]``: head ``i`` for ``t + 2 + i``.
+        Native (module doc): one C++ call, the Python's bits."""
+        k = self.num_heads if num is None else min(num, self.num_heads)
+        if hidden.dtype == torch.float32 and k > 0 and not torch.is_grad_enabled():
+            out = backend_of(self).medusa_heads(hidden.reshape(-1, hidden.shape[-1]), k)
+            if out is not None:
+                return out.view(*hidden.shape[:-1], k, out.shape[-1])
         return self.head_logits(self.features(hidden, num))
 
 

@@ -23,3 +23,15 @@ def count_fused_draftings(drafter: Any) -> tuple[list[int], list[int]]:
     drafter.forward = counted_forward
     drafter.caught_up = lambda: own.append(1) or caught_up()
     return fused, own
+
+
+def count_compiled_eagle_draftings(drafter: Any) -> list[int]:
+    """A list that grows by one per call of an EAGLE drafter's compiled chain (``compiled_chain``)
+    or tree (``compiled_tree``), whichever it has. Its catch-up runs outside the graph, so no
+    public call tells a compiled drafting from a step-by-step one: this wraps the one callable."""
+    assert drafter.compiled_chain or drafter.compiled_tree
+    calls: list[int] = []
+    name = "_fused" if drafter.compiled_chain else "_fused_tree"
+    fused = getattr(drafter, name)
+    setattr(drafter, name, lambda *a: calls.append(1) or fused(*a))
+    return calls

@@ -23,7 +23,7 @@ from specdec.core.context import SamplingParams
 from specdec.core.pipeline_model import RuntimeConfig
 from specdec.engine import EngineConfig
 from specdec.spec.proposers.draft_model import DraftModelConfig
-from tests.spec.fused import count_fused_draftings
+from tests.spec.fused import count_compiled_eagle_draftings, count_fused_draftings
 
 PROMPTS = [[3, 5, 7, 11, 13, 17, 19], [1, 2], [9] * 20, list(range(40))]
 
@@ -151,14 +151,15 @@ def test_compiled_eagle_heads_draft_what_eager_ones_draft(tiny_llama, monkeypatc
     counters.clear()
     for compile_ in (False, True):
         drafts.clear()
-        rt = RuntimeConfig(max_batch_size=2, max_seq_len=96, compile=compile_)
+        # aten linears: the tiny head's native backend has no dynamo graphs to compile around.
+        rt = RuntimeConfig(max_batch_size=2, max_seq_len=96, compile=compile_, cpu_linear="aten")
         spec = LLM(target.path, method=method, runtime=rt, engine_config=EngineConfig(max_batch_size=2))
         fused_calls: list[int] = []
         if compile_:
             assert hasattr(spec.pipeline.proposer.head.forward, "_torchdynamo_orig_callable")  # compiled
             drafter = spec.pipeline.proposer.drafter  # its full-γ steps run as one compiled graph
-            fused = drafter._fused
-            drafter._fused = lambda *a: fused_calls.append(1) or fused(*a)
+            assert drafter.compiled_chain and not drafter.compiled_tree
+            fused_calls = count_compiled_eagle_draftings(drafter)
         greedy_out = [o.token_ids for o in spec.generate(prompts, sp)]
         if compile_:
             assert len(fused_calls) >= 3
@@ -203,21 +204,20 @@ def test_compiled_eagle_tree_drafts_in_one_graph_what_eager_drafts(tiny_llama, m
         return t
 
     monkeypatch.setattr(EagleDrafter, "draft_after", spy)
-    plain = LLM(target.path, runtime=RuntimeConfig(max_batch_size=2, max_seq_len=96),
+    plain = LLM(target.path, runtime=RuntimeConfig(max_batch_size=2, max_seq_len=96, cpu_linear="aten"),
                 engine_config=EngineConfig(max_batch_size=2))
     ref = [o.token_ids for o in plain.generate(prompts, sp)]
     runs = {}
     counters.clear()
     for compile_ in (False, True):
         trees.clear()
-        rt = RuntimeConfig(max_batch_size=2, max_seq_len=96, compile=compile_)
+        rt = RuntimeConfig(max_batch_size=2, max_seq_len=96, compile=compile_, cpu_linear="aten")  # (as above)
         spec = LLM(target.path, method=method, runtime=rt, engine_config=EngineConfig(max_batch_size=2))
         fused_calls: list[int] = []
         if compile_:
             drafter = spec.pipeline.proposer.drafter
-            fused = drafter._fused_tree
-            assert fused is not None and drafter._fused is None
-            drafter._fused_tree = lambda *a: fused_calls.append(1) or fused(*a)
+            assert drafter.compiled_tree and not drafter.compiled_chain
+            fused_calls = count_compiled_eagle_draftings(drafter)
         out = [o.token_ids for o in spec.generate(prompts, sp)]
         runs[compile_] = (out, list(trees), spec.pipeline.stats().counts)
         if compile_:

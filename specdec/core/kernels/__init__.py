@@ -5,10 +5,11 @@ seconds, once: the library is cached under torch's extensions folder, ``$TORCH_E
 or ``~/.cache/torch_extensions``) and loads it, which registers the float32 CPU ops
 ``torch.ops.specdec_cpu.row_linear`` (with ``row_linear_pack``), ``rms_norm``,
 ``paged_attention``, ``decoder_forward`` (a Llama forward on them in one call),
-``decoder_steps`` (a greedy draft chain's steps) and ``huge_empty`` (memory on huge
-pages). The layers call the first three (:mod:`specdec.core.linear`, the attention in
-:mod:`specdec.models.llama`); the whole-forward ops are called only by a model's native
-backend (:mod:`specdec.core.backend`). The build is for this CPU
+``decoder_steps`` (a greedy draft chain's steps), ``eagle_forward`` / ``eagle_steps`` (an
+EAGLE head's forward, its greedy chain's steps), ``medusa_forward`` (Medusa heads' pass) and
+``huge_empty`` (memory on huge pages). The layers call the first three
+(:mod:`specdec.core.linear`, the attention in :mod:`specdec.models.llama`); the
+whole-forward ops are called only by a module's native backend (:mod:`specdec.core.backend`). The build is for this CPU
 (``-march=native``), so its name carries a digest of the source, the flags, torch's version
 and the CPU's model and feature flags: another CPU, or an edited source, builds afresh.
 Where no compiler or OpenMP is at hand it returns False, with a warning, and the callers

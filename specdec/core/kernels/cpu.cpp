@@ -499,20 +499,149 @@ void linear_to(const float* xp, int64_t M, int64_t K, const at::Tensor& packed, 
 }
 
 // rows ``index`` of ``table`` [n, w] (float32), each checked to lie in [0, n): ``what`` names it.
-at::Tensor take_rows(const at::Tensor& table, const at::Tensor& index, const char* what) {
+at::Tensor take_rows(const at::Tensor& table, const at::Tensor& index, const char* what,
+                     const char* op = "decoder_forward") {
   TORCH_CHECK(table.dim() == 2 && table.is_contiguous() && table.scalar_type() == at::kFloat &&
                   index.scalar_type() == at::kLong && index.dim() == 1,
-              "specdec::decoder_forward: want a contiguous float32 table and int64 ", what, ", got ",
+              "specdec::", op, ": want a contiguous float32 table and int64 ", what, ", got ",
               table.sizes(), " and ", index.sizes());
   const at::Tensor ic = index.contiguous();
   const int64_t n = ic.numel(), w = table.size(1), rows = table.size(0);
   at::Tensor out = at::empty({n, w}, table.options());
   const int64_t* ip = ic.const_data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "specdec::decoder_forward: ", what, " ", ip[i], " outside [0, ", rows, ")");
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "specdec::", op, ": ", what, " ", ip[i], " outside [0, ", rows, ")");
     std::memcpy(out.mutable_data_ptr<float>() + i * w, table.const_data_ptr<float>() + ip[i] * w, sizeof(float) * w);
   }
   return out;
+}
+
+// One attention group's index operands (decoder_forward's slot_mapping .. group_rows), contiguous
+// and checked once: the layers read them raw.
+struct Group {
+  at::Tensor map, slots, mask, qidx, oidx;
+  int64_t B, Q, S, n, start;
+  bool causal, single;
+};
+
+std::vector<Group> parse_groups(const char* op, int64_t T, int64_t nslots, at::TensorList slot_mapping,
+                                at::TensorList slots, const c10::List<std::optional<at::Tensor>>& masks,
+                                at::IntArrayRef flags, at::TensorList q_index, at::TensorList out_index,
+                                at::IntArrayRef group_rows, int64_t& att_rows) {
+  const int64_t G = static_cast<int64_t>(group_rows.size());
+  TORCH_CHECK(static_cast<int64_t>(slot_mapping.size()) == G && static_cast<int64_t>(slots.size()) == G &&
+                  static_cast<int64_t>(masks.size()) == G && static_cast<int64_t>(flags.size()) == 2 * G &&
+                  static_cast<int64_t>(q_index.size()) == G && static_cast<int64_t>(out_index.size()) == G,
+              "specdec::", op, ": every attention group needs slot_mapping, slots, mask, flags and indices");
+  std::vector<Group> gs(G);
+  att_rows = 0;
+  int64_t start = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    Group& e = gs[g];
+    e.n = group_rows[g], e.start = start, e.causal = flags[2 * g] != 0, e.single = flags[2 * g + 1] != 0;
+    e.map = slot_mapping[g].contiguous();
+    TORCH_CHECK(e.map.scalar_type() == at::kLong && e.map.numel() == e.n,
+                "specdec::", op, ": group ", g, "'s slot_mapping must be int64 [", e.n, "]");
+    for (int64_t k = 0; k < e.n; ++k) {
+      const int64_t sm = e.map.const_data_ptr<int64_t>()[k];
+      TORCH_CHECK(sm >= 0 && sm < nslots, "specdec::", op, ": slot ", sm, " outside the cache's ", nslots);
+    }
+    e.slots = slots[g].contiguous();
+    TORCH_CHECK(e.slots.dim() == 2 && e.slots.scalar_type() == at::kLong,
+                "specdec::", op, ": group ", g, "'s slots must be int64 [B, S], got ", e.slots.sizes());
+    e.B = e.slots.size(0), e.S = e.slots.size(1);
+    e.Q = e.single ? e.n : q_index[g].size(-1);
+    TORCH_CHECK(!e.single || e.B == 1, "specdec::", op, ": group ", g, " is one request but has slots ",
+                e.slots.sizes());
+    const int64_t* sp = e.slots.const_data_ptr<int64_t>();
+    for (int64_t k = 0; k < e.B * e.S; ++k)
+      TORCH_CHECK(sp[k] >= 0 && sp[k] < nslots, "specdec::", op, ": slot ", sp[k], " outside the cache's ", nslots);
+    if (!e.single) {
+      e.qidx = q_index[g].contiguous(), e.oidx = out_index[g].contiguous();
+      TORCH_CHECK(e.qidx.scalar_type() == at::kLong && e.qidx.numel() == e.B * e.Q &&
+                      e.oidx.scalar_type() == at::kLong && e.oidx.numel() == e.n,
+                  "specdec::", op, ": group ", g, "'s q_index must be int64 [B, Q] and out_index [rows]");
+      const int64_t* qi = e.qidx.const_data_ptr<int64_t>();
+      const int64_t* oi = e.oidx.const_data_ptr<int64_t>();
+      for (int64_t k = 0; k < e.B * e.Q; ++k)
+        TORCH_CHECK(qi[k] >= 0 && qi[k] < e.n, "specdec::", op, ": q_index ", qi[k], " outside group ", g);
+      for (int64_t k = 0; k < e.n; ++k)
+        TORCH_CHECK(oi[k] >= 0 && oi[k] < e.B * e.Q, "specdec::", op, ": out_index ", oi[k], " outside group ", g);
+    }
+    const std::optional<at::Tensor> m = masks.get(g);
+    if (m.has_value() && m->defined()) {
+      TORCH_CHECK(m->scalar_type() == at::kBool && m->numel() == e.B * e.Q * e.S,
+                  "specdec::", op, ": group ", g, "'s mask must be bool [B, 1, Q, S], got ", m->sizes());
+      e.mask = m->contiguous();
+    }
+    att_rows = std::max(att_rows, e.B * e.Q);
+    start += e.n;
+  }
+  TORCH_CHECK(start == T, "specdec::", op, ": the groups hold ", start, " rows, the step ", T);
+  return gs;
+}
+
+// The shapes of one layer and its workspace, made once a forward (no allocation in the layers).
+struct LayerWork {
+  int64_t T, d, H, Hkv, D, F, qk_heads, qkv_out, kv_row;
+  at::Tensor qkv, qk, yatt, attn, o, gu, act;
+  LayerWork(int64_t T_, int64_t d_, int64_t H_, int64_t Hkv_, int64_t D_, int64_t F_, int64_t att_rows,
+            const at::TensorOptions& opt)
+      : T(T_), d(d_), H(H_), Hkv(Hkv_), D(D_), F(F_), qk_heads(H_ + Hkv_), qkv_out((H_ + 2 * Hkv_) * D_),
+        kv_row(Hkv_ * D_) {
+    qkv = at::empty({T, qkv_out}, opt), qk = at::empty({T, qk_heads, D}, opt);
+    yatt = at::empty({att_rows, H * D}, opt), attn = at::empty({T, H * D}, opt), o = at::empty({T, d}, opt);
+    gu = at::empty({T, 2 * F}, opt), act = at::empty({T, F}, opt);
+  }
+};
+
+// One decoder layer l on the residual stream xp [T, d], updated in place, with q/k/v projected
+// from qin [T, Kin] (a Llama layer: input_layernorm(x); EAGLE-1: x itself; EAGLE-3: its 2d input):
+//   qkv = qin W_qkv^T (+ b); rope on q and k; k, v to the layer's cache slots; attention per
+//   group; x += o_proj(attn); x += down(silu(gate) * up) of post_attention_layernorm(x).
+// w: [qkv, o, post norm, gate_up, down]; biases: [qkv, o, gate_up, down].
+void layer_forward(float* xp, const float* qin, int64_t Kin, const at::Tensor* w,
+                   const std::optional<at::Tensor>* bias, int64_t l, at::Tensor& k_cache, at::Tensor& v_cache,
+                   const std::vector<Group>& gs, const float* cp, const float* snp, double eps, float sc,
+                   float* hp, LayerWork& s) {
+  const int64_t T = s.T, d = s.d, H = s.H, Hkv = s.Hkv, D = s.D, F = s.F, qk_heads = s.qk_heads;
+  const int64_t qkv_out = s.qkv_out, kv_row = s.kv_row, nslots = k_cache.size(1);
+  float *qkvp = s.qkv.mutable_data_ptr<float>(), *qkp = s.qk.mutable_data_ptr<float>();
+  float *yp = s.yatt.mutable_data_ptr<float>(), *ap = s.attn.mutable_data_ptr<float>();
+  float *op = s.o.mutable_data_ptr<float>(), *gup = s.gu.mutable_data_ptr<float>(), *actp = s.act.mutable_data_ptr<float>();
+  linear_to(qin, T, Kin, w[0], bias[0], qkv_out, qkvp);  // [T, (H + 2 Hkv) D]
+  rope_rows(qkvp, qkv_out, cp, snp, T, qk_heads, D, qkp);
+  // This layer's keys and values into the cache, by slot (k: rows H.. of qk; v: after q, k in qkv).
+  float* kc = k_cache.mutable_data_ptr<float>() + l * nslots * kv_row;
+  float* vc = v_cache.mutable_data_ptr<float>() + l * nslots * kv_row;
+  for (const Group& e : gs) {
+    const int64_t* sp = e.map.const_data_ptr<int64_t>();
+    for (int64_t i = 0; i < e.n; ++i) {
+      const int64_t t = e.start + i;
+      std::memcpy(kc + sp[i] * kv_row, qkp + (t * qk_heads + H) * D, sizeof(float) * kv_row);
+      std::memcpy(vc + sp[i] * kv_row, qkvp + t * qkv_out + qk_heads * D, sizeof(float) * kv_row);
+    }
+  }
+  for (const Group& e : gs) {  // each group's queries read straight from qk (q: its first H heads)
+    attend_rows(qkp + e.start * qk_heads * D, e.single ? nullptr : e.qidx.const_data_ptr<int64_t>(), qk_heads * D,
+                kc, vc, e.slots.const_data_ptr<int64_t>(), e.S, e.mask.defined() ? e.mask.const_data_ptr<bool>() : nullptr,
+                e.causal, e.B, e.Q, H, Hkv, D, sc, yp);
+    if (e.single) {
+      std::memcpy(ap + e.start * H * D, yp, sizeof(float) * e.n * H * D);
+    } else {
+      const int64_t* oi = e.oidx.const_data_ptr<int64_t>();
+      for (int64_t t = 0; t < e.n; ++t) std::memcpy(ap + (e.start + t) * H * D, yp + oi[t] * H * D, sizeof(float) * H * D);
+    }
+  }
+  linear_to(ap, T, H * D, w[1], bias[1], d, op);
+  for (int64_t k = 0; k < T * d; ++k) xp[k] += op[k];  // (one rounding a sum: the eager add's bits)
+  rms_rows(xp, T, d, w[2].const_data_ptr<float>(), eps, hp);
+  linear_to(hp, T, d, w[3], bias[2], 2 * F, gup);  // [T, 2F]: gate, then up
+  at::silu_out(s.act, s.gu.narrow(1, 0, F));  // ATen's silu on F.silu's view: its bits
+  for (int64_t t = 0; t < T; ++t)  // act *= up (a product is one rounding however it is computed)
+    for (int64_t j = 0; j < F; ++j) actp[t * F + j] *= gup[t * 2 * F + F + j];
+  linear_to(actp, T, F, w[4], bias[3], d, op);
+  for (int64_t k = 0; k < T * d; ++k) xp[k] += op[k];
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> decoder_forward(
@@ -528,7 +657,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> decoder_
   const at::Tensor cos = take_rows(cos_table, positions, "position"), sin = take_rows(sin_table, positions, "position");
   TORCH_CHECK(dims.size() == 5, "specdec::decoder_forward: dims = [H, Hkv, D, intermediate, layers]");
   const int64_t H = dims[0], Hkv = dims[1], D = dims[2], F = dims[3], L = dims[4];
-  const int64_t T = x_in.size(0), d = x_in.size(1), G = static_cast<int64_t>(group_rows.size());
+  const int64_t T = x_in.size(0), d = x_in.size(1);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 6 * L && static_cast<int64_t>(biases.size()) == 4 * L,
               "specdec::decoder_forward: want 6 weights and 4 biases a layer for ", L, " layers, got ",
               weights.size(), " and ", biases.size());
@@ -538,64 +667,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> decoder_
                   k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous(),
               "specdec::decoder_forward: caches must be contiguous [", L, ", slots, ", Hkv, ", ", D, "], got ",
               k_cache.sizes());
-  TORCH_CHECK(static_cast<int64_t>(slot_mapping.size()) == G && static_cast<int64_t>(slots.size()) == G &&
-                  static_cast<int64_t>(masks.size()) == G && static_cast<int64_t>(flags.size()) == 2 * G &&
-                  static_cast<int64_t>(q_index.size()) == G && static_cast<int64_t>(out_index.size()) == G,
-              "specdec::decoder_forward: every attention group needs slot_mapping, slots, mask, flags and indices");
-  const int64_t nslots = k_cache.size(1), kv_row = Hkv * D, qk_heads = H + Hkv, qkv_out = (H + 2 * Hkv) * D;
-  // Each group's index operands, contiguous and checked once (the layers read them raw).
-  struct Group {
-    at::Tensor map, slots, mask, qidx, oidx;
-    int64_t B, Q, S, n, start;
-    bool causal, single;
-  };
-  std::vector<Group> gs(G);
   int64_t att_rows = 0;
-  int64_t start = 0;
-  for (int64_t g = 0; g < G; ++g) {
-    Group& e = gs[g];
-    e.n = group_rows[g], e.start = start, e.causal = flags[2 * g] != 0, e.single = flags[2 * g + 1] != 0;
-    e.map = slot_mapping[g].contiguous();
-    TORCH_CHECK(e.map.scalar_type() == at::kLong && e.map.numel() == e.n,
-                "specdec::decoder_forward: group ", g, "'s slot_mapping must be int64 [", e.n, "]");
-    for (int64_t k = 0; k < e.n; ++k) {
-      const int64_t sm = e.map.const_data_ptr<int64_t>()[k];
-      TORCH_CHECK(sm >= 0 && sm < nslots, "specdec::decoder_forward: slot ", sm, " outside the cache's ", nslots);
-    }
-    e.slots = slots[g].contiguous();
-    TORCH_CHECK(e.slots.dim() == 2 && e.slots.scalar_type() == at::kLong,
-                "specdec::decoder_forward: group ", g, "'s slots must be int64 [B, S], got ", e.slots.sizes());
-    e.B = e.slots.size(0), e.S = e.slots.size(1);
-    e.Q = e.single ? e.n : q_index[g].size(-1);
-    TORCH_CHECK(!e.single || e.B == 1, "specdec::decoder_forward: group ", g, " is one request but has slots ",
-                e.slots.sizes());
-    const int64_t* sp = e.slots.const_data_ptr<int64_t>();
-    for (int64_t k = 0; k < e.B * e.S; ++k)
-      TORCH_CHECK(sp[k] >= 0 && sp[k] < nslots, "specdec::decoder_forward: slot ", sp[k], " outside the cache's ",
-                  nslots);
-    if (!e.single) {
-      e.qidx = q_index[g].contiguous(), e.oidx = out_index[g].contiguous();
-      TORCH_CHECK(e.qidx.scalar_type() == at::kLong && e.qidx.numel() == e.B * e.Q &&
-                      e.oidx.scalar_type() == at::kLong && e.oidx.numel() == e.n,
-                  "specdec::decoder_forward: group ", g, "'s q_index must be int64 [B, Q] and out_index [rows]");
-      const int64_t* qi = e.qidx.const_data_ptr<int64_t>();
-      const int64_t* oi = e.oidx.const_data_ptr<int64_t>();
-      for (int64_t k = 0; k < e.B * e.Q; ++k)
-        TORCH_CHECK(qi[k] >= 0 && qi[k] < e.n, "specdec::decoder_forward: q_index ", qi[k], " outside group ", g);
-      for (int64_t k = 0; k < e.n; ++k)
-        TORCH_CHECK(oi[k] >= 0 && oi[k] < e.B * e.Q, "specdec::decoder_forward: out_index ", oi[k],
-                    " outside group ", g);
-    }
-    const std::optional<at::Tensor> m = masks.get(g);
-    if (m.has_value() && m->defined()) {
-      TORCH_CHECK(m->scalar_type() == at::kBool && m->numel() == e.B * e.Q * e.S,
-                  "specdec::decoder_forward: group ", g, "'s mask must be bool [B, 1, Q, S], got ", m->sizes());
-      e.mask = m->contiguous();
-    }
-    att_rows = std::max(att_rows, e.B * e.Q);
-    start += e.n;
-  }
-  TORCH_CHECK(start == T, "specdec::decoder_forward: the groups hold ", start, " rows, the step ", T);
+  const std::vector<Group> gs = parse_groups("decoder_forward", T, k_cache.size(1), slot_mapping, slots, masks, flags,
+                                             q_index, out_index, group_rows, att_rows);
   const float* cp = cos.const_data_ptr<float>();
   const float* snp = sin.const_data_ptr<float>();
   std::vector<at::Tensor> seen(capture.size());
@@ -603,59 +677,173 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> decoder_
     for (size_t c = 0; c < capture.size(); ++c)
       if (capture[c] == layer) seen[c] = rows.has_value() && rows->defined() ? x.index_select(0, *rows) : x.clone();
   };
-  // One workspace for every layer (no allocation, no ATen call but silu inside the loop).
   const auto opt = x_in.options();
   at::Tensor x = x_in;  // the residual stream, updated in place
-  at::Tensor h = at::empty({T, d}, opt), qkv = at::empty({T, qkv_out}, opt), qk = at::empty({T, qk_heads, D}, opt);
-  at::Tensor yatt = at::empty({att_rows, H * D}, opt), attn = at::empty({T, H * D}, opt), o = at::empty({T, d}, opt);
-  at::Tensor gu = at::empty({T, 2 * F}, opt), act = at::empty({T, F}, opt);
-  float *xp = x.mutable_data_ptr<float>(), *hp = h.mutable_data_ptr<float>(), *qkvp = qkv.mutable_data_ptr<float>();
-  float *qkp = qk.mutable_data_ptr<float>(), *yp = yatt.mutable_data_ptr<float>(), *ap = attn.mutable_data_ptr<float>();
-  float *op = o.mutable_data_ptr<float>(), *gup = gu.mutable_data_ptr<float>(), *actp = act.mutable_data_ptr<float>();
+  at::Tensor h = at::empty({T, d}, opt);
+  LayerWork work(T, d, H, Hkv, D, F, att_rows, opt);
+  float *xp = x.mutable_data_ptr<float>(), *hp = h.mutable_data_ptr<float>();
   const float sc = static_cast<float>(scale);
   for (int64_t l = 0; l < L; ++l) {
     keep(l, x);
     const at::Tensor* w = &weights[6 * l];
-    auto bias = [&](int i) { return biases.get(4 * l + i); };
+    const std::optional<at::Tensor> bias[4] = {biases.get(4 * l), biases.get(4 * l + 1), biases.get(4 * l + 2),
+                                               biases.get(4 * l + 3)};
     rms_rows(xp, T, d, w[0].const_data_ptr<float>(), eps, hp);
-    linear_to(hp, T, d, w[1], bias(0), qkv_out, qkvp);  // [T, (H + 2 Hkv) D]
-    rope_rows(qkvp, qkv_out, cp, snp, T, qk_heads, D, qkp);
-    // This layer's keys and values into the cache, by slot (k: rows H.. of qk; v: after q, k in qkv).
-    float* kc = k_cache.mutable_data_ptr<float>() + l * nslots * kv_row;
-    float* vc = v_cache.mutable_data_ptr<float>() + l * nslots * kv_row;
-    for (const Group& e : gs) {
-      const int64_t* sp = e.map.const_data_ptr<int64_t>();
-      for (int64_t i = 0; i < e.n; ++i) {
-        const int64_t t = e.start + i;
-        std::memcpy(kc + sp[i] * kv_row, qkp + (t * qk_heads + H) * D, sizeof(float) * kv_row);
-        std::memcpy(vc + sp[i] * kv_row, qkvp + t * qkv_out + qk_heads * D, sizeof(float) * kv_row);
-      }
-    }
-    for (const Group& e : gs) {  // each group's queries read straight from qk (q: its first H heads)
-      attend_rows(qkp + e.start * qk_heads * D, e.single ? nullptr : e.qidx.const_data_ptr<int64_t>(), qk_heads * D,
-                  kc, vc, e.slots.const_data_ptr<int64_t>(), e.S, e.mask.defined() ? e.mask.const_data_ptr<bool>() : nullptr,
-                  e.causal, e.B, e.Q, H, Hkv, D, sc, yp);
-      if (e.single) {
-        std::memcpy(ap + e.start * H * D, yp, sizeof(float) * e.n * H * D);
-      } else {
-        const int64_t* oi = e.oidx.const_data_ptr<int64_t>();
-        for (int64_t t = 0; t < e.n; ++t) std::memcpy(ap + (e.start + t) * H * D, yp + oi[t] * H * D, sizeof(float) * H * D);
-      }
-    }
-    linear_to(ap, T, H * D, w[2], bias(1), d, op);
-    for (int64_t k = 0; k < T * d; ++k) xp[k] += op[k];  // (one rounding a sum: the eager add's bits)
-    rms_rows(xp, T, d, w[3].const_data_ptr<float>(), eps, hp);
-    linear_to(hp, T, d, w[4], bias(2), 2 * F, gup);  // [T, 2F]: gate, then up
-    at::silu_out(act, gu.narrow(1, 0, F));  // ATen's silu on F.silu's view: its bits
-    for (int64_t t = 0; t < T; ++t)  // act *= up (a product is one rounding however it is computed)
-      for (int64_t j = 0; j < F; ++j) actp[t * F + j] *= gup[t * 2 * F + F + j];
-    linear_to(actp, T, F, w[5], bias(3), d, op);
-    for (int64_t k = 0; k < T * d; ++k) xp[k] += op[k];
+    layer_forward(xp, hp, d, w + 1, bias, l, k_cache, v_cache, gs, cp, snp, eps, sc, hp, work);
   }
   keep(L, x);
   const at::Tensor hf = rms_norm(x, final_norm, eps);
   const at::Tensor hl = hf.index_select(0, logit_index);  // [N, d]
   return {hf, hl, row_linear(hl, head, head_bias, vocab), seen};
+}
+
+// eagle_forward: an EAGLE head's forward (specdec/models/eagle.py, EagleHead.forward) in one call,
+// on the same kernels in the eager order, so the same bits. Rows: tokens [T] and feature [T, d]:
+//
+//   EAGLE-1 (fc given):  x = fc([embed(tokens); feature]) (+ b); the layer's q/k/v from x itself
+//   EAGLE-3 (no fc):     x = feature; q/k/v from [input_norm(embed(tokens)); hidden_norm(feature)] (2d)
+//
+// then its one layer (layer_forward, cache layer 0); hl = x[logit_index]; logits = (final_norm
+// given: rms_norm(hl) first) hl W_head^T, and where ``vocab_ids`` is given (a draft vocabulary
+// smaller than the target's) spread over ``full_vocab`` target ids, -inf elsewhere
+// (EagleHead.target_logits) -> (x [T, d], hl [N, d], logits [N, V]).
+// weights: [qkv, o, post norm, gate_up, down]; biases: [qkv, o, gate_up, down]; dims [H, Hkv, D, F].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle_forward(
+    const at::Tensor& tokens, const at::Tensor& feature, const at::Tensor& positions, at::Tensor k_cache,
+    at::Tensor v_cache, const at::Tensor& logit_index, at::TensorList slot_mapping, at::TensorList slots,
+    const c10::List<std::optional<at::Tensor>>& masks, at::IntArrayRef flags, at::TensorList q_index,
+    at::TensorList out_index, at::IntArrayRef group_rows, const at::Tensor& cos_table, const at::Tensor& sin_table,
+    const at::Tensor& embed, const std::optional<at::Tensor>& fc, const std::optional<at::Tensor>& fc_bias,
+    const std::optional<at::Tensor>& input_norm, const std::optional<at::Tensor>& hidden_norm,
+    at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef dims, double eps,
+    const std::optional<at::Tensor>& final_norm, const at::Tensor& head, const std::optional<at::Tensor>& head_bias,
+    int64_t vocab, const std::optional<at::Tensor>& vocab_ids, int64_t full_vocab, double scale) {
+  const at::Tensor e = take_rows(embed, tokens, "token id", "eagle_forward");
+  const at::Tensor cos = take_rows(cos_table, positions, "position", "eagle_forward");
+  const at::Tensor sin = take_rows(sin_table, positions, "position", "eagle_forward");
+  TORCH_CHECK(dims.size() == 4 && weights.size() == 5 && biases.size() == 4,
+              "specdec::eagle_forward: want dims [H, Hkv, D, intermediate], 5 weights and 4 biases");
+  const int64_t H = dims[0], Hkv = dims[1], D = dims[2], F = dims[3], T = e.size(0), d = e.size(1);
+  const bool eagle1 = fc.has_value() && fc->defined();
+  TORCH_CHECK(feature.dim() == 2 && feature.size(0) == T && feature.scalar_type() == at::kFloat &&
+                  (eagle1 || (feature.size(1) == d && input_norm.has_value() && hidden_norm.has_value())),
+              "specdec::eagle_forward: feature must be float32 [", T, ", ", d, "] (EAGLE-3: with both norms), got ",
+              feature.sizes());
+  TORCH_CHECK(cos.size(1) == D && sin.size(1) == D, "specdec::eagle_forward: rope tables are not [positions, ", D, "]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == 1 && k_cache.size(2) == Hkv && k_cache.size(3) == D &&
+                  k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous(),
+              "specdec::eagle_forward: caches must be contiguous [1, slots, ", Hkv, ", ", D, "], got ",
+              k_cache.sizes());
+  int64_t att_rows = 0;
+  const std::vector<Group> gs = parse_groups("eagle_forward", T, k_cache.size(1), slot_mapping, slots, masks, flags,
+                                             q_index, out_index, group_rows, att_rows);
+  const auto opt = e.options();
+  at::Tensor x = at::empty({T, d}, opt), h = at::empty({T, d}, opt), qin;
+  float* xp = x.mutable_data_ptr<float>();
+  const float* qp = xp;
+  int64_t kin = d;
+  if (eagle1) {  // fc over [embedding; feature]
+    const at::Tensor f = feature.contiguous();
+    const int64_t fw = f.size(1);
+    at::Tensor cat = at::empty({T, d + fw}, opt);
+    float* c = cat.mutable_data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) {
+      std::memcpy(c + t * (d + fw), e.const_data_ptr<float>() + t * d, sizeof(float) * d);
+      std::memcpy(c + t * (d + fw) + d, f.const_data_ptr<float>() + t * fw, sizeof(float) * fw);
+    }
+    linear_to(c, T, d + fw, *fc, fc_bias, d, xp);
+  } else {  // [input_norm(emb); hidden_norm(feature)], the residual stream the feature
+    x.copy_(feature);
+    at::Tensor a = rms_norm(e, *input_norm, eps), b = rms_norm(x, *hidden_norm, eps);
+    qin = at::empty({T, 2 * d}, opt);
+    float* c = qin.mutable_data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) {
+      std::memcpy(c + t * 2 * d, a.const_data_ptr<float>() + t * d, sizeof(float) * d);
+      std::memcpy(c + t * 2 * d + d, b.const_data_ptr<float>() + t * d, sizeof(float) * d);
+    }
+    qp = c, kin = 2 * d;
+  }
+  LayerWork work(T, d, H, Hkv, D, F, att_rows, opt);
+  const std::optional<at::Tensor> bias[4] = {biases.get(0), biases.get(1), biases.get(2), biases.get(3)};
+  layer_forward(xp, qp, kin, weights.data(), bias, 0, k_cache, v_cache, gs, cos.const_data_ptr<float>(),
+                sin.const_data_ptr<float>(), eps, static_cast<float>(scale), h.mutable_data_ptr<float>(), work);
+  const at::Tensor hl = x.index_select(0, logit_index);  // [N, d]
+  const bool normed = final_norm.has_value() && final_norm->defined();
+  at::Tensor logits = row_linear(normed ? rms_norm(hl, *final_norm, eps) : hl, head, head_bias, vocab);
+  if (vocab_ids.has_value() && vocab_ids->defined())
+    logits = at::full({logits.size(0), full_vocab}, -INFINITY, opt).index_copy(-1, *vocab_ids, logits);
+  return {x, hl, logits};
+}
+
+// eagle_steps: an EAGLE head's γ - 1 one-token greedy draft steps of one request after its
+// catch-up (EagleDrafter._chain_steps): draft 0 is the argmax of the catch-up's ``logits`` [1, V];
+// step j feeds (state h, draft j) at position pos0 + 1 + j (writing its head slot gather[pos]),
+// its keys the first S - steps + j + 1 slots of ``gather`` [1, S], masked past its position;
+// its output is the next state and draft j + 1 the argmax of its logits -> drafts [1, steps + 1].
+at::Tensor eagle_steps(const at::Tensor& logits, const at::Tensor& h0, const at::Tensor& pos0, int64_t steps,
+                       const at::Tensor& gather, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& cos_table,
+                       const at::Tensor& sin_table, const at::Tensor& embed, const std::optional<at::Tensor>& fc,
+                       const std::optional<at::Tensor>& fc_bias, const std::optional<at::Tensor>& input_norm,
+                       const std::optional<at::Tensor>& hidden_norm, at::TensorList weights,
+                       const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef dims, double eps,
+                       const std::optional<at::Tensor>& final_norm, const at::Tensor& head,
+                       const std::optional<at::Tensor>& head_bias, int64_t vocab,
+                       const std::optional<at::Tensor>& vocab_ids, int64_t full_vocab, double scale) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(0) == 1 && h0.dim() == 2 && h0.size(0) == 1 && pos0.numel() == 1 &&
+                  gather.dim() == 2 && gather.size(0) == 1 && steps >= 0 && gather.size(1) >= steps,
+              "specdec::eagle_steps: want one request: logits [1, V], h [1, d], pos0 [1], gather [1, S], got ",
+              logits.sizes(), ", ", h0.sizes(), ", ", pos0.sizes(), ", ", gather.sizes());
+  const int64_t keys = gather.size(1) - steps, p0 = pos0.reshape({1}).to(at::kLong).item<int64_t>();
+  const at::Tensor g = gather.contiguous();
+  const auto lopt = at::TensorOptions().dtype(at::kLong);
+  at::Tensor drafts = at::empty({1, steps + 1}, lopt);
+  const at::Tensor first = at::zeros({1}, lopt), q_index = at::zeros({1, 1}, lopt);
+  const std::vector<int64_t> flags = {0, 1}, rows = {1};
+  at::Tensor lg = logits, h = h0;
+  for (int64_t j = 0;; ++j) {
+    const at::Tensor t = std::get<1>(lg.max(-1));  // [1], the first maximum (greedy_tokens)
+    drafts.select(1, j).copy_(t);
+    if (j == steps) break;
+    const int64_t pos = p0 + 1 + j, n = keys + j + 1;
+    TORCH_CHECK(pos >= 0 && pos < g.size(1), "specdec::eagle_steps: position ", pos, " outside gather ", g.sizes());
+    c10::List<std::optional<at::Tensor>> mask;
+    mask.push_back(at::arange(n, lopt).le(pos).view({1, 1, 1, n}));  // (PagedAttend's explicit mask)
+    const std::vector<at::Tensor> map = {g.narrow(1, pos, 1).reshape({1})}, slots = {g.narrow(1, 0, n).contiguous()};
+    const std::vector<at::Tensor> qi = {q_index}, oi = {first};
+    auto out = eagle_forward(t, h, at::full({1}, pos, lopt), k_cache, v_cache, first, map, slots, mask, flags, qi, oi,
+                             rows, cos_table, sin_table, embed, fc, fc_bias, input_norm, hidden_norm, weights, biases,
+                             dims, eps, final_norm, head, head_bias, vocab, vocab_ids, full_vocab, scale);
+    h = std::get<1>(out), lg = std::get<2>(out);
+  }
+  return drafts;
+}
+
+// medusa_forward: Medusa heads (specdec/models/medusa.py, MedusaHeads.forward) in one call: for
+// each of the first k heads, y = x, then ``layers`` times y = y + silu(y W_i^T + b_i) (one shared
+// block a head), and its logits y U_i^T (own heads), or all heads' through one shared head
+// (``heads`` of one) -> [B, k, V]: the eager forward's kernels and order, so its bits.
+at::Tensor medusa_forward(const at::Tensor& x, at::TensorList blocks,
+                          const c10::List<std::optional<at::Tensor>>& biases, int64_t layers, at::TensorList heads,
+                          int64_t vocab) {
+  const int64_t k = static_cast<int64_t>(blocks.size());
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && static_cast<int64_t>(biases.size()) == k &&
+                  (heads.size() == 1 || static_cast<int64_t>(heads.size()) == k),
+              "specdec::medusa_forward: want float32 x [B, H], a block and bias a head, one head or one a head; got x ",
+              x.sizes(), ", ", k, " blocks, ", heads.size(), " heads");
+  const at::Tensor xc = x.contiguous();
+  const int64_t B = xc.size(0), d = xc.size(1);
+  at::Tensor ys = at::empty({B, k, d}, xc.options());
+  at::Tensor out = at::empty({B, k, vocab}, xc.options());
+  for (int64_t i = 0; i < k; ++i) {
+    at::Tensor y = xc;
+    for (int64_t r = 0; r < layers; ++r) y = y + at::silu(row_linear(y, blocks[i], biases.get(i), d));
+    if (heads.size() == 1)
+      ys.select(1, i).copy_(y);
+    else
+      out.select(1, i).copy_(row_linear(y, heads[i], std::nullopt, vocab));
+  }
+  if (heads.size() == 1) out = row_linear(ys.view({B * k, d}), heads[0], std::nullopt, vocab).view({B, k, vocab});
+  return out;
 }
 
 // decoder_steps: a chain's γ - 1 one-token draft steps of one request, greedy, after its
@@ -774,6 +962,18 @@ TORCH_LIBRARY(specdec_cpu, m) {
   m.def("decoder_steps(Tensor logits, Tensor step_positions, Tensor step_slots, Tensor gather, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor cos_table, Tensor sin_table, Tensor embed, Tensor[] weights, Tensor?[] biases, "
         "int[] dims, float eps, Tensor final_norm, Tensor head, Tensor? head_bias, int vocab, float scale) -> Tensor");
+  m.def("eagle_forward(Tensor tokens, Tensor feature, Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor logit_index, Tensor[] slot_mapping, Tensor[] slots, Tensor?[] masks, int[] flags, Tensor[] q_index, "
+        "Tensor[] out_index, int[] group_rows, Tensor cos_table, Tensor sin_table, Tensor embed, Tensor? fc, "
+        "Tensor? fc_bias, Tensor? input_norm, Tensor? hidden_norm, Tensor[] weights, Tensor?[] biases, int[] dims, "
+        "float eps, Tensor? final_norm, Tensor head, Tensor? head_bias, int vocab, Tensor? vocab_ids, int full_vocab, "
+        "float scale) -> (Tensor, Tensor, Tensor)");
+  m.def("eagle_steps(Tensor logits, Tensor h, Tensor pos0, int steps, Tensor gather, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor cos_table, Tensor sin_table, Tensor embed, Tensor? fc, Tensor? fc_bias, "
+        "Tensor? input_norm, Tensor? hidden_norm, Tensor[] weights, Tensor?[] biases, int[] dims, float eps, "
+        "Tensor? final_norm, Tensor head, Tensor? head_bias, int vocab, Tensor? vocab_ids, int full_vocab, "
+        "float scale) -> Tensor");
+  m.def("medusa_forward(Tensor x, Tensor[] blocks, Tensor?[] biases, int layers, Tensor[] heads, int vocab) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec_cpu, CompositeExplicitAutograd, m) {
@@ -789,4 +989,7 @@ TORCH_LIBRARY_IMPL(specdec_cpu, CPU, m) {
   m.impl("paged_attention", paged_attention);
   m.impl("decoder_forward", decoder_forward);
   m.impl("decoder_steps", decoder_steps);
+  m.impl("eagle_forward", eagle_forward);
+  m.impl("eagle_steps", eagle_steps);
+  m.impl("medusa_forward", medusa_forward);
 }

@@ -49,12 +49,13 @@ from typing import Any, ClassVar, List, Optional
 import numpy as np
 import torch
 
+from specdec.core.backend import backend_of, load_backend
 from specdec.core.batch_processor import PackedBatch
 from specdec.core.checkpoint import CheckpointError, load_decoder
 from specdec.core.context import TextContext
 from specdec.core.inputs import DecoderInputs, KVCacheTensors, MaskKind
 from specdec.core.kv_cache import BlockTable, KVCacheParams, PagedKVCache, block_table_array
-from specdec.core.pipeline_model import compile_decoder, compile_method, pack_for_runtime
+from specdec.core.pipeline_model import compile_method, pack_for_runtime
 from specdec.core.registry import Role
 from specdec.models.eagle import EagleHead, check_head_fits
 from specdec.sampling import SamplingTensors, draw_drafts
@@ -134,6 +135,12 @@ class EagleDrafter(Drafter):
         self.head = head
         self.tree = tree if tree is not None and tree.is_tree else None
         self.max_gamma = max_gamma
+        backend = backend_of(head)
+        # A native head (one C++ call a forward) runs a greedy one-request chain's γ - 1 steps
+        # as one more call (Backend.head_chain: _chain_steps' bits). It has no per-call dynamo
+        # cost to save, and its calls would break a compiled graph: nothing compiled around it.
+        self._native_chain = backend.head_chain if self.tree is None else None
+        fuse_on = fuse_on if backend.compile_around else None
         # ``fuse_on`` (compiled heads): a chain of the method's γ, greedy or sampled, runs
         # its γ - 1 one-token steps as one compiled graph, as a draft model's does (draft_model.py).
         self._fused = (compile_method(self, type(self)._chain_steps, fuse_on)
@@ -144,6 +151,21 @@ class EagleDrafter(Drafter):
                             if fuse_on is not None and self.tree is not None else None)
         self.static_shapes = (StaticShapes(self.tree.choices, next(head.parameters()).device)
                               if self.tree is not None and self.tree.kind == "static" else None)
+
+    @property
+    def compiled_chain(self) -> bool:
+        """Whether a chain of the method's γ drafts its γ - 1 steps as one compiled graph."""
+        return self._fused is not None
+
+    @property
+    def compiled_tree(self) -> bool:
+        """Whether a tree of the method's budget drafts its levels as one compiled graph."""
+        return self._fused_tree is not None
+
+    @property
+    def native_chain(self) -> bool:
+        """Whether a greedy one-request chain drafts its γ - 1 steps as one native call."""
+        return self._native_chain is not None
 
     def draft_after(self, step: TargetStep, gamma: int, sampling: SamplingTensors) -> DraftTree:
         host: EagleStepInputs = step.host
@@ -189,6 +211,8 @@ class EagleDrafter(Drafter):
         gather = host.gather_slots[:, : host.catch_keys + max(gamma - 1, 0)]
         assert gather.shape[1] == host.catch_keys + max(gamma - 1, 0), "prepare_after packs γ - 1 draft positions"
         fused = self._fused is not None and gamma == self.max_gamma > 1
+        if self._native_chain is not None and not fused and sampling.all_greedy and b == 1 and gamma > 1:
+            return DraftTree.chain(self._native_chain(logits, h, pos0, gamma - 1, _fresh(gather), host.kv), None)
         steps = self._fused if fused else self._chain_steps
         tokens, probs = steps(logits, h, pos0, _fresh(gather), host.kv, *host.rows, gamma,
                               None if sampling.all_greedy else sampling)
@@ -282,8 +306,7 @@ class EagleProposer(Proposer):
         pack_for_runtime(head, rt)
         self.max_positions = rt.max_seq_len + 2 * config.num_speculative_tokens + 2
         head.ensure_rope(self.max_positions, rt.device)
-        if rt.compile:
-            compile_decoder(head)
+        load_backend(head, compile=rt.compile)  # native, compiled or eager: once, here
         self.head = head
         g = config.num_speculative_tokens
         # Room for everything the target holds plus each request's 2γ+1 lookahead (and tree rows).
@@ -402,7 +425,7 @@ class EagleProposer(Proposer):
         g = self.config.num_speculative_tokens
         if g < 2:
             return first
-        if self.drafter._fused is None:
+        if not (self.drafter.compiled_chain or self.drafter.native_chain):
             rest = self._step_time(ctx_len, repeats, warmup=warmup) if between is not None else first
             return (first + (g - 1) * rest) / g
         return (first + self._step_time(ctx_len, repeats, fused=g, warmup=warmup)) / g
@@ -412,7 +435,7 @@ class EagleProposer(Proposer):
 
     def fused_draft_cost(self, batch_size: int, context_len: int) -> float | None:
         g = self.config.num_speculative_tokens
-        if self.drafter._fused is None or g < 2:
+        if g < 2 or not (self.drafter.compiled_chain or self.drafter.native_chain and batch_size <= 1):
             return None
         ctx, b = max(context_len, 1), max(batch_size, 1)  # the first step, then the fused γ - 1
         return (self._step_time(ctx, repeats=7, requests=b, stat="min")
@@ -422,7 +445,8 @@ class EagleProposer(Proposer):
     def _step_time(self, ctx_len: int, repeats: int, *, requests: int = 1, stat: str = "median",
                    fused: int = 0, between: Callable[[], object] | None = None, warmup: int = 3) -> float:
         """Seconds of a bare one-token step of the head for ``requests`` requests at context
-        ``ctx_len``; ``fused=γ``: of the fused γ - 1 steps (EagleDrafter._chain_steps) instead."""
+        ``ctx_len``; ``fused=γ``: of the γ - 1 steps as one compiled graph (EagleDrafter._chain_steps)
+        or, a native head's greedy chain of one request, one native call, instead."""
         with self.cache.scratch(requests, ctx_len + max(fused - 1, 0)) as gather:  # [B, S]
             b = requests
             rows = self._rows(b)  # the loop's own index tensors (as distinct as there)
@@ -431,6 +455,11 @@ class EagleProposer(Proposer):
             feat = torch.zeros(b, self.head.config.hidden_size, device=self.device, dtype=dtype)
             if fused:
                 logits = torch.zeros(b, self.vocab_size, device=self.device, dtype=dtype)
+                if not self.drafter.compiled_chain:  # a native chain (one request, greedy)
+                    chain = backend_of(self.head).head_chain
+                    assert chain is not None and b == 1
+                    return time_calls(lambda: chain(logits, feat, pos, fused - 1, gather, self.cache.tensors),
+                                      self.device, repeats=repeats, stat=stat, between=between, warmup=warmup)
                 args = (logits, feat, pos, gather, self.cache.tensors, *rows, fused, None)  # greedy
                 return time_calls(lambda: self.drafter._fused(*args), self.device, repeats=repeats, stat=stat,
                                   between=between, warmup=warmup)

@@ -33,6 +33,7 @@ from typing import ClassVar
 
 import torch
 
+from specdec.core.backend import load_backend
 from specdec.core.pipeline_model import pack_for_runtime
 from specdec.models.medusa import MedusaHeads, load_medusa
 from specdec.sampling import SamplingTensors, draw_drafts
@@ -127,6 +128,7 @@ class MedusaProposer(Proposer):
         heads = load_medusa(config.path, target=target.config, dtype=dtype, device=rt.device)
         heads.attach_target(built.lm_head)
         pack_for_runtime(heads, rt)
+        load_backend(heads)  # native (one C++ call a pass) or eager: once, here
         self.heads = heads
         self.drafter = MedusaDrafter(heads)
         tree = config.tree if config.tree.is_tree else None
