@@ -224,7 +224,7 @@ def test_published_layouts_run_exactly(tiny_llama, generate, tmp_path, kind) -> 
     out, llm = generate(target, _config(kind, path, 3), ps, sp)
     assert out == ref
     if kind == "eagle3":
-        assert llm.pipeline.proposer.target_layers == (1, 0, 1)  # the ids its eagle_config names
+        assert llm.pipeline.proposer.spec.target_layers == (1, 0, 1)  # the ids its eagle_config names
 
 
 @pytest.mark.parametrize(("make", "needle"), [

@@ -338,12 +338,6 @@ class Proposer(ABC):
                 f"{' / '.join(missing)}; its drafting would be charged 0 s in the limit and adaptive γ")
         return spec
 
-    # Compatibility only, until medusa.py (tree_facts, drafts_trees) and tests/spec/test_eagle.py
-    # (target_layers) read proposer.spec: then delete these three.
-    target_layers = property(lambda self: self.spec.target_layers)
-    drafts_trees = property(lambda self: self.spec.drafts_trees)
-    tree_facts = property(lambda self: self.spec.tree_facts)
-
     @property
     def draft_model(self) -> DecoderPipelineModel | None:
         """The draft decoder whose one-token forward is T_draft(1) of the analytic limit (None: none)."""

@@ -167,14 +167,15 @@ class MedusaProposer(Proposer):
         """Median seconds of one pass of the heads a step runs (a chain's γ, a tree's depth)."""
         w = self.heads.block(0).linear.weight
         h = torch.zeros(batch_size, self.heads.config.hidden_size, dtype=w.dtype, device=w.device)
-        g = self.tree_facts[0] if self.drafts_trees and self.tree_facts[0] else self.gamma  # heads run
+        spec = self.spec
+        g = spec.tree_facts[0] if spec.drafts_trees and spec.tree_facts[0] else self.gamma  # heads run
         return time_calls(lambda: self.heads(h, g), w.device, repeats=repeats, warmup=warmup, between=between)
 
     @property
     def gamma(self) -> int:
         """Drafts per step: γ = min(K, num_speculative_tokens) for a chain, the node budget for a tree."""
         g = self.config.num_speculative_tokens
-        return max(1, g if self.drafts_trees else min(g, self.heads.num_heads))
+        return max(1, g if self.spec.drafts_trees else min(g, self.heads.num_heads))
 
     def draft_forward_time(self, ctx_len: int, repeats: int = 10, *,
                            between: Callable[[], object] | None = None, warmup: int = 3) -> float:
