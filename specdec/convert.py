@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pickle
 import shutil
 import sys
 import zipfile
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +34,7 @@ from typing import Any
 import torch
 
 from specdec.core.checkpoint import CheckpointError
+from specdec.core.staging import staged_replace
 
 BIN_INDEX = "pytorch_model.bin.index.json"
 BIN = "pytorch_model.bin"
@@ -191,32 +190,6 @@ def _check_dst(dst: Path, src: Path, overwrite: bool) -> None:
                            "replace it whole, or choose another directory")
 
 
-@contextmanager
-def _staged(dst: Path, src: Path, overwrite: bool) -> Iterator[Path]:
-    """A temporary sibling of ``dst`` that replaces it when the block ends normally; on an
-    error ``dst`` stays as it was (the convention of specdec.train.state.staged_dir)."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
-    old = dst.with_name(f".{dst.name}.old{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        yield tmp
-        _check_dst(dst, src, overwrite)  # again: something may have written there meanwhile
-        moved = dst.exists()
-        if moved:
-            os.replace(dst, old)
-        try:
-            os.replace(tmp, dst)
-        except BaseException:
-            if moved:
-                os.replace(old, dst)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def _shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
     """Names in order, cut into groups of at most ``max_bytes`` (a bigger tensor goes alone)."""
     groups: list[list[str]] = [[]]
@@ -251,7 +224,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, overwrite: bool = Fa
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
     total = sum(v.nbytes for v in state.values())
     copied = [n for n in SIDE_FILES if (side_dir / n).is_file()]
-    with _staged(dst, src, overwrite) as tmp:
+    with staged_replace(dst, lambda: _check_dst(dst, src, overwrite)) as tmp:
         for name, group in zip(names, groups):
             try:
                 save_file({k: state[k] for k in group}, str(tmp / name), metadata={"format": "pt"})

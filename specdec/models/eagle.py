@@ -47,8 +47,8 @@ from specdec.core.inputs import DecoderInputs
 from specdec.core.linear import Linear
 from specdec.core.registry import DecoderModule, Role, register
 from specdec.models.config import MAX_SIZES, LlamaConfig, hf_config_dict, short_repr
-from specdec.models.llama import (MLP, Attend, Attention, DecoderLayer, DenseCausalAttend, GroupedAttend,
-                                  PagedAttend, RMSNorm, RopeTables, paged_attend)
+from specdec.models.llama import (MLP, Attend, Attention, DecoderLayer, DenseCausalAttend, PagedAttend, RMSNorm,
+                                  RopeTables, native_groups, paged_attend)
 
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 
@@ -260,16 +260,7 @@ class EagleHead(RopeTables, DecoderModule):
         raise NotImplementedError
 
     def _native_groups(self, attend: Attend) -> list[PagedAttend] | None:
-        """The attention groups :meth:`forward` hands to a native backend's one call, or None
-        where the Python runs this call (as ``LlamaDecoder._native_groups``): gradients, another
-        attention, rope tables not built, or a forward that hides each row's non-finite keys."""
-        if torch.is_grad_enabled() or not self._rope_len:
-            return None
-        groups = attend.groups if isinstance(attend, GroupedAttend) else [attend]
-        if not all(isinstance(g, PagedAttend) and g.own_kernel and not (g.isolate_rows and g.rows_meet)
-                   for g in groups):
-            return None
-        return groups
+        return native_groups(attend, bool(self._rope_len))
 
     @property
     def embed(self) -> nn.Embedding:

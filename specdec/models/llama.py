@@ -211,6 +211,19 @@ class GroupedAttend:
         return torch.cat(outs)
 
 
+def native_groups(attend: Attend, rope_ready: bool) -> list[PagedAttend] | None:
+    """The attention groups a forward hands to its native backend's one call, or None where
+    the Python runs this call: gradients, another attention, rope tables not built yet, or a
+    forward that hides each row's non-finite new keys (PagedAttend._hide reads them between layers)."""
+    if torch.is_grad_enabled() or not rope_ready:
+        return None
+    groups = attend.groups if isinstance(attend, GroupedAttend) else [attend]
+    if not all(isinstance(g, PagedAttend) and g.own_kernel and not (g.isolate_rows and g.rows_meet)
+               for g in groups):
+        return None
+    return groups
+
+
 def paged_attend(inputs: DecoderInputs, cache: KVCacheTensors, window: int | None,
                  isolate_rows: bool = True, kernel: str | None = None) -> PagedAttend | GroupedAttend | FlexAttend:
     """The paged attention of one forward: in the packer's groups when it made any.
@@ -479,17 +492,7 @@ class LlamaDecoder(RopeTables, DecoderModule):
         return None
 
     def _native_groups(self, attend: Attend) -> list[PagedAttend] | None:
-        """The attention groups :meth:`forward` hands to a native backend's one call, or
-        None where the Python runs this call: gradients, another attention, a rope table not
-        built yet, or a forward that hides each row's non-finite new keys (PagedAttend._hide
-        reads them between layers)."""
-        if torch.is_grad_enabled() or not self._rope_len:
-            return None
-        groups = attend.groups if isinstance(attend, GroupedAttend) else [attend]
-        if not all(isinstance(g, PagedAttend) and g.own_kernel and not (g.isolate_rows and g.rows_meet)
-                   for g in groups):
-            return None
-        return groups
+        return native_groups(attend, bool(self._rope_len))
 
     def forward(self, inputs: DecoderInputs) -> DecoderOutputs:
         """Packed ragged forward over the paged cache in ``inputs.kv_cache``.

@@ -588,6 +588,16 @@ def children_table(
     return table[:, :dummy].reshape(b, n + 1, c)
 
 
+def _walk_start(b: int, d: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
+    """A walk down ``b`` trees of depth ``d`` before its first level: the current row [B] (the
+    root), alive [B], the path's rows [B, d + 1] (root first, -1 past the end) and the emitted
+    tokens [B, d + 1] (-1 past the end)."""
+    path = torch.full((b, d + 1), -1, dtype=torch.long, device=dev)
+    path[:, 0] = 0
+    return (torch.zeros(b, dtype=torch.long, device=dev), torch.ones(b, dtype=torch.bool, device=dev), path,
+            torch.full((b, d + 1), -1, dtype=torch.long, device=dev))
+
+
 def _max_depth(parents: torch.Tensor, num_nodes: torch.Tensor | None, max_depth: int | None) -> int:
     if max_depth is not None:
         return max_depth
@@ -620,11 +630,7 @@ def verify_tree_greedy(
         return _walk_tree_greedy(tokens, parents, num_nodes, argmax, max_depth)
     d = _max_depth(parents, num_nodes, max_depth)
     valid = valid_nodes(parents, num_nodes)  # [B, N]
-    cur = torch.zeros(b, dtype=torch.long, device=dev)  # [B] current row
-    alive = torch.ones(b, dtype=torch.bool, device=dev)  # [B] still descending
-    path = torch.full((b, d + 1), -1, dtype=torch.long, device=dev)
-    out = torch.full((b, d + 1), -1, dtype=torch.long, device=dev)
-    path[:, 0] = 0
+    cur, alive, path, out = _walk_start(b, d, dev)
     for k in range(d + 1):
         want = argmax.gather(1, cur.unsqueeze(1))  # [B, 1] the target's token after the current row
         out[:, k] = torch.where(alive, want.squeeze(1), -1)
@@ -751,11 +757,7 @@ def verify_tree_sampled(
     c_max = kids.shape[2]
     ar_b = torch.arange(b, device=dev)
     seeds = seeds.long()
-    cur = torch.zeros(b, dtype=torch.long, device=dev)  # [B] current row
-    alive = torch.ones(b, dtype=torch.bool, device=dev)  # [B] still descending
-    path = torch.full((b, d + 1), -1, dtype=torch.long, device=dev)
-    out = torch.full((b, d + 1), -1, dtype=torch.long, device=dev)
-    path[:, 0] = 0
+    cur, alive, path, out = _walk_start(b, d, dev)
     for k in range(d + 1):
         pos = positions + k  # [B] position of the token emitted at this depth
         p = target_probs[ar_b, cur]  # [B, V] the current node's distribution (then its residual)

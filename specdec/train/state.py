@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from specdec.core.staging import staged_replace
 
 META_KEY = "specdec"
 STATE_FORMAT = "specdec.train_state/1"
@@ -147,30 +148,8 @@ def check_out_dir(out: Path, *, overwrite: bool, key: str = "out_dir") -> None:
                          f"(whole: nothing of the old content is kept), or choose another {key}")
 
 
-@contextmanager
-def staged_dir(out: Path, *, overwrite: bool, key: str = "out_dir") -> Iterator[Path]:
-    """Yields a temporary directory next to ``out``; when the block ends normally it replaces
-    ``out`` (the old one is moved aside, then removed; put back if the rename fails). An
-    exception or interrupt in the block leaves ``out`` as it was and removes the temporary one."""
+def staged_dir(out: Path, *, overwrite: bool, key: str = "out_dir") -> AbstractContextManager[Path]:
+    """A temporary directory next to ``out`` that replaces it whole when the block ends
+    normally, ``out`` checked again first (:func:`specdec.core.staging.staged_replace`)."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    old = out.with_name(f".{out.name}.old{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        yield tmp
-        check_out_dir(out, overwrite=overwrite, key=key)  # again: something may have written there meanwhile
-        moved = False
-        if out.exists():
-            os.replace(out, old)
-            moved = True
-        try:
-            os.replace(tmp, out)
-        except BaseException:
-            if moved:
-                os.replace(old, out)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return staged_replace(out, lambda: check_out_dir(out, overwrite=overwrite, key=key))

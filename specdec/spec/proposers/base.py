@@ -49,7 +49,7 @@ import importlib
 import os
 import pkgutil
 import time
-from abc import ABC, abstractmethod
+from abc import ABC
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from importlib.metadata import entry_points
@@ -246,9 +246,23 @@ class Drafter(nn.Module):
     ``draft_catch_up`` from ``draft_steps`` (spec/metrics.py)."""
 
     caught_up_at: float | None = None  # host clock at the end of this step's catch-up forward
+    # A model drafter under runtime.compile: its chain of the method's γ, and its tree of the
+    # method's budget, each drafted as one compiled graph (None: step by step).
+    _fused: Any = None
+    _fused_tree: Any = None
 
     def caught_up(self) -> None:
         self.caught_up_at = time.perf_counter()
+
+    @property
+    def compiled_chain(self) -> bool:
+        """Whether a chain of the method's γ drafts as one compiled graph."""
+        return self._fused is not None
+
+    @property
+    def compiled_tree(self) -> bool:
+        """Whether a tree of the method's budget drafts as one compiled graph."""
+        return self._fused_tree is not None
 
     def forward(self, batch: DraftBatch, sampling: SamplingTensors) -> DraftTree:  # pragma: no cover
         raise NotImplementedError(f"{type(self).__name__} does not draft before verification")

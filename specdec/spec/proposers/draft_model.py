@@ -122,16 +122,6 @@ class DraftModelDrafter(Drafter):
         self.static_shapes = (StaticShapes(self.tree.choices, pipeline.device)
                               if self.tree is not None and self.tree.kind == "static" else None)
 
-    @property
-    def compiled_chain(self) -> bool:
-        """Whether a chain of the method's γ drafts as one compiled graph (catch-up included)."""
-        return self._fused is not None
-
-    @property
-    def compiled_tree(self) -> bool:
-        """Whether a tree of the method's budget drafts as one compiled graph (catch-up included)."""
-        return self._fused_tree is not None
-
     def _rows(self, b: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         """The one-token steps' row indices for ``b`` requests (read-only, made once per size):
         ``out_index`` [B], ``logit_index`` [B], ``q_index`` [B, 1]. Distinct

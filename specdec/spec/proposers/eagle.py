@@ -153,16 +153,6 @@ class EagleDrafter(Drafter):
                               if self.tree is not None and self.tree.kind == "static" else None)
 
     @property
-    def compiled_chain(self) -> bool:
-        """Whether a chain of the method's γ drafts its γ - 1 steps as one compiled graph."""
-        return self._fused is not None
-
-    @property
-    def compiled_tree(self) -> bool:
-        """Whether a tree of the method's budget drafts its levels as one compiled graph."""
-        return self._fused_tree is not None
-
-    @property
     def native_chain(self) -> bool:
         """Whether a greedy one-request chain drafts its γ - 1 steps as one native call."""
         return self._native_chain is not None
