@@ -31,16 +31,22 @@ A module's packed weights (ours) live in one block of memory on transparent
 huge pages (``pack_layers``): a decode step streams them all from DRAM, and on
 4 KiB pages each 4 KiB is a TLB miss and a stop for the prefetchers.
 
-The packed copy adds to the weights' memory (the dense weight stays: the
-``state_dict``, tensor-parallel sharding and ``build_module`` read it) and is
-stale after an in-place weight update: pack after loading, as
+The packed copy replaces the dense weight: ``pack_layers`` frees each packed
+layer's dense weight (and its fused parts'), leaving a one-element placeholder of
+the same shape, dtype and device (:meth:`Linear.free_dense`), unless another
+module reads that storage too (a tied embedding). What still needs the dense
+values gets them back exactly from the packed copy (:func:`unpack`): the
+``state_dict``, a forward with gradients for its input, fusing again. Training
+the weight itself fails, naming the layer: pack after loading, as
 :class:`~specdec.core.pipeline_model.DecoderPipelineModel` does, never before
-training. ``runtime.cpu_linear=aten`` keeps ``F.linear``.
+training. ``runtime.cpu_linear=aten`` keeps ``F.linear`` and the dense weights.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import warnings
 from typing import Optional
 
 import torch
@@ -107,39 +113,133 @@ def lossless_bf16(weight: torch.Tensor) -> torch.Tensor:
     return w16 if torch.equal(w16.float(), weight) else weight
 
 
+@functools.cache
+def _bf16_columns(p: int) -> torch.Tensor:
+    """Where each of a bfloat16 panel's ``p`` columns lies in it (``row_linear_pack`` pairs
+    them up): read off by packing the column numbers themselves (exact in bfloat16)."""
+    probe = torch.ops.specdec_cpu.row_linear_pack(torch.arange(p, dtype=torch.bfloat16).view(p, 1))
+    return torch.argsort(probe.view(p).float())
+
+
+def unpack(packed: torch.Tensor, out_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """The dense ``[out_features, in]`` weight of ``dtype`` that ``packed`` was packed from,
+    bit for bit: oneDNN's layout (an mkldnn tensor) reordered back, or ours
+    (``specdec/core/kernels/cpu.cpp`` ``pack``: panels ``[N/P, K, P]`` of P output columns,
+    zero-padded past N; a bfloat16 panel's columns paired up) read back, bfloat16 widened
+    to the float32 values it was narrowed from without loss (:func:`lossless_bf16`)."""
+    if packed.is_mkldnn:
+        return packed.to_dense().to(dtype)
+    np_, k, p = packed.shape
+    panels = packed[..., _bf16_columns(p)] if packed.dtype == torch.bfloat16 else packed
+    return panels.transpose(1, 2).reshape(np_ * p, k)[:out_features].to(dtype, copy=True)
+
+
+@functools.cache
+def unpack_is_exact(kernel: str, dtype: torch.dtype) -> bool:
+    """Whether :func:`unpack` gives back exactly what ``kernel`` packed, for weights of
+    ``dtype`` (a check on odd-shaped weights with special values, once): where it does not
+    (the kernel's layout changed), ``pack_layers`` keeps the dense weights, with a warning."""
+    if kernel == "specdec" and not cpu_kernels_available():
+        return False
+    w = torch.randn(131, 37, generator=torch.Generator().manual_seed(0)).to(dtype)  # (not the global RNG)
+    w[0, :4] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-40])
+    ws = [w, w.bfloat16().to(dtype)]  # float32 as itself and as bfloat16 values (packed as bf16)
+    for w in ws:
+        packed = (torch.ops.specdec_cpu.row_linear_pack(lossless_bf16(w)) if kernel == "specdec"
+                  else pack_weight(w))
+        if not torch.equal(unpack(packed, w.shape[0], dtype).view(torch.uint8), w.view(torch.uint8)):
+            warnings.warn(f"specdec.core.linear.unpack does not invert the {kernel!r} kernel's packing of "
+                          f"{dtype}: packed layers keep their dense weights", stacklevel=2)
+            return False
+    return True
+
+
+def _placeholder(like: torch.Tensor) -> torch.Tensor:
+    """``like``'s shape, dtype and device on one element (NaN: a read of it shows)."""
+    return torch.full((1,), float("nan"), dtype=like.dtype, device=like.device).expand(like.shape)
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` that multiplies through a packed-weight kernel once :meth:`pack` ran
-    (inference only: a call that needs gradients takes ``F.linear``)."""
+    (inference only: a call that needs gradients takes ``F.linear``). After
+    :meth:`free_dense` its ``weight`` is a placeholder and :meth:`dense_weight` unpacks it."""
 
     packed: torch.Tensor | None
     kernel: str | None  # the kernel ``packed`` is laid out for: "specdec", "onednn" or None
+    dense_freed = False  # ``weight`` is a placeholder: the values live in ``packed`` (or the fused layer's)
+    fused_in: tuple[Linear, int] | None = None  # the fused layer whose rows from this offset are this one's
+    parts: tuple[Linear, ...] = ()  # a fused layer's parts (:meth:`fused`)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, **kw: object) -> None:
         super().__init__(in_features, out_features, bias, **kw)  # type: ignore[arg-type]
         self.register_buffer("packed", None, persistent=False)
         self.kernel = None
 
+    def dense_weight(self) -> torch.Tensor:
+        """The weight's values: ``weight`` itself, or, after :meth:`free_dense`, a fresh copy
+        unpacked from the packed one (this layer's, or its fused layer's rows), bit for bit."""
+        if not self.dense_freed:
+            return self.weight
+        if self.fused_in is not None:
+            fused, start = self.fused_in
+            return fused.dense_weight()[start : start + self.out_features].clone()
+        assert self.packed is not None
+        return unpack(self.packed, self.out_features, self.weight.dtype)
+
+    def free_dense(self) -> None:
+        """Drops the dense weight of a packed layer (and of its fused parts, ``parts``: see
+        :meth:`fused`), keeping a placeholder of its shape, dtype and device: the packed copy
+        holds the values (:meth:`dense_weight`). Called by ``pack_layers``."""
+        if self.packed is None:
+            raise RuntimeError("Linear.free_dense: the layer is not packed; its dense weight is its only copy")
+        if self.dense_freed:
+            return
+        for part in self.parts:
+            part.weight = nn.Parameter(_placeholder(part.weight), requires_grad=False)
+            part.dense_freed = True
+        hold = self._buffers if "weight" in self._buffers else self._parameters
+        hold["weight"] = (_placeholder(self.weight) if hold is self._buffers
+                          else nn.Parameter(_placeholder(self.weight), requires_grad=False))
+        self.dense_freed = True
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.dense_freed and prefix + "weight" in destination:  # the values, not the placeholder
+            destination[prefix + "weight"] = self.dense_weight()
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: object, **kw: object) -> None:
+        if self.dense_freed and prefix + "weight" in state_dict:
+            raise RuntimeError(f"Linear {prefix.rstrip('.') or '(root)'}: loading weights into a packed layer whose "
+                               "dense weight was freed; load them before packing (pack_layers)")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kw)  # type: ignore[arg-type]
+
     @classmethod
     def fused(cls, linears: list[nn.Linear]) -> Linear:
         """One layer over the rows of ``linears`` (e.g. ``[q; k; v]``): one matmul instead of
         several. Its weight and bias are buffers outside the ``state_dict``, and each of
         ``linears`` becomes a view of them (no extra copy)."""
-        w = torch.cat([m.weight.detach() for m in linears])
+        w = torch.cat([m.dense_weight().detach() for m in linears])
         b = torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None
+        out = cls.__new__(cls)
+        nn.Module.__init__(out)
         start = 0
         for m in linears:
             n = m.weight.shape[0]
-            m.weight.data = w[start : start + n]
+            if m.dense_freed:  # fused afresh: its values are in w now
+                m.weight = nn.Parameter(w[start : start + n], requires_grad=m.weight.requires_grad)
+                m.dense_freed = False
+            else:
+                m.weight.data = w[start : start + n]
             if b is not None:
                 m.bias.data = b[start : start + n]
+            m.fused_in = (out, start)
             start += n
-        out = cls.__new__(cls)
-        nn.Module.__init__(out)
         out.in_features, out.out_features = w.shape[1], w.shape[0]
         out.register_buffer("weight", w, persistent=False)
         out.register_buffer("bias", b, persistent=False)
         out.register_buffer("packed", None, persistent=False)
         out.kernel = None
+        out.parts = tuple(linears)  # (a plain attribute: not submodules, not in the state_dict)
         return out
 
     def pack(self, kernel: str = "specdec") -> bool:
@@ -147,18 +247,27 @@ class Linear(nn.Linear):
         layer's device and dtype, else for oneDNN where that does; whether it packed."""
         if kernel not in KERNELS:
             raise ValueError(f"Linear.pack: kernel must be one of {KERNELS}, got {kernel!r}")
-        if kernel == "specdec" and row_kernel_serves(self.weight.device, self.weight.dtype):
-            self.packed = torch.ops.specdec_cpu.row_linear_pack(lossless_bf16(self.weight.detach()))
+        if self.dense_freed and self.kernel == kernel:
+            return True  # packed already, and the packed copy is the only one
+        w = self.dense_weight().detach()
+        if kernel == "specdec" and row_kernel_serves(w.device, w.dtype):
+            self.packed = torch.ops.specdec_cpu.row_linear_pack(lossless_bf16(w))
             self.kernel = "specdec"
             return True
-        if not onednn_available(self.weight.device, self.weight.dtype):
+        if not onednn_available(w.device, w.dtype):
             return False
-        self.packed = pack_weight(self.weight)
+        self.packed = pack_weight(w)
         self.kernel = "onednn"
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+            if self.dense_freed:
+                if self.weight.requires_grad:
+                    raise RuntimeError(f"Linear({self.in_features} -> {self.out_features}): its weight was packed for "
+                                       "inference and its dense copy freed, so it cannot be trained; train "
+                                       "before packing (runtime.cpu_linear=aten keeps the dense weights)")
+                return F.linear(x, self.dense_weight(), self.bias)  # gradients for x only
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, self.in_features).contiguous()
         if self.kernel == "specdec":  # eager and compiled alike: the op (a C++ call in the graph)
@@ -218,10 +327,35 @@ def pack_layers(module: nn.Module, kernel: str = "specdec") -> int:
     # The parts of a fused layer ([q; k; v], [gate; up]) are views of its weight that the
     # forward never calls: packing them too would hold those weights packed twice.
     linears = called_linears([m for m in module.modules() if isinstance(m, Linear)])
-    n = sum(m.pack(kernel) for m in linears)
-    _into_one_arena([m for m in linears if m.kernel == "specdec"])
+    # A layer packed for ``kernel`` already (a head borrowed from a packed target) stays as it is:
+    # packing it again would hold it packed twice.
+    done = [m for m in linears if m.packed is not None and m.kernel == kernel]
+    shared = _shared_storages(module, linears)
+    _release_freed_memory()  # (what fusing the projections freed)
+    fresh = []
+    for m in linears:
+        if m not in done and m.pack(kernel):
+            fresh.append(m)
+            # Layer by layer: the next layer's packed copy takes the memory this dense one held.
+            if m.weight.untyped_storage().data_ptr() not in shared and unpack_is_exact(m.kernel, m.weight.dtype):
+                m.free_dense()
+    _release_freed_memory()  # before the arena: the dense weights, packed weights and arena never at once
+    _into_one_arena([m for m in fresh if m.kernel == "specdec"])
     _release_freed_memory()
-    return n
+    return len(done) + len(fresh)
+
+
+def _shared_storages(module: nn.Module, linears: list[Linear]) -> set[int]:
+    """The storages (data pointers) ``module``'s tensors other than the weights of ``linears``
+    and of their fused parts hold: a layer whose weight lies in one (a head tied to the
+    embedding) keeps its dense weight when packed."""
+    slots = {id(m) for m in linears} | {id(p) for m in linears for p in m.parts}
+    shared = set()
+    for sub in module.modules():
+        for name, t in (*sub._parameters.items(), *sub._buffers.items()):
+            if t is not None and not t.is_mkldnn and not (id(sub) in slots and name == "weight"):
+                shared.add(t.untyped_storage().data_ptr())
+    return shared
 
 
 def _release_freed_memory() -> None:

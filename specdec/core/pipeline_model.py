@@ -189,11 +189,18 @@ class DecoderPipelineModel:
         compiled graphs serve plain steps, speculative steps and timing.
         """
         if self._built is None:
+            from specdec.core.decoder_module import DecoderModule
+
             cls = type(self.module)
             if getattr(self.module, "tp", None) is not None:  # a tensor-parallel shard: split the same way
                 from specdec.dist.tensor_parallel import rebuild_like
 
                 built = rebuild_like(self.module)
+            elif getattr(cls.build_module, "__func__", None) is DecoderModule.build_module.__func__:
+                # The default would rebuild this very module from its own weights: it is that module,
+                # prepared already (a rebuild fused and packed its weights a second time).
+                self._built = self.module
+                return self._built
             else:
                 built = cls.build_module(BuildContext(config=self.config, state_dict=self.module.state_dict()),
                                          type(self.config))  # type: ignore[attr-defined]

@@ -194,7 +194,7 @@ def test_packing_keeps_the_state_dict_and_gradients_take_f_linear(kernel):
     layer = model.model.layers[0].mlp.down_proj
     x = torch.randn(3, 48, requires_grad=True)
     layer(x).sum().backward()  # through F.linear: the packed kernels have no backward
-    assert torch.allclose(x.grad, layer.weight.detach().sum(0).expand(3, -1), atol=1e-5)
+    assert torch.allclose(x.grad, layer.dense_weight().sum(0).expand(3, -1), atol=1e-5)  # (unpacked: freed)
 
 
 def test_cpu_linear_is_checked():
