@@ -119,6 +119,7 @@ class Engine:
         self.finished: list[TextContext] = []
         self.stats = EngineStats()
         self._live: dict[str, TextContext] = {}  # waiting or running, by id
+        self._deadlines = 0  # of them, those with a deadline (none: no clock read to expire them)
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -159,6 +160,7 @@ class Engine:
             self._texts[ctx] = RequestText(self.tokenizer, sampling.stop_strings)
         self.waiting.append(ctx)
         self._live[rid] = ctx
+        self._deadlines += sampling.deadline_s is not None
         return ctx
 
     def _validate(self, ctx: TextContext) -> None:
@@ -225,6 +227,7 @@ class Engine:
         else:
             self.waiting.remove(ctx)
         del self._live[ctx.request_id]
+        self._deadlines -= ctx.sampling.deadline_s is not None
         self.pipeline.free(ctx)
         if ctx.t_finished is None:
             ctx.t_finished = self.clock()
@@ -233,7 +236,7 @@ class Engine:
     def _expire(self) -> list[TextContext]:
         """Ends the requests whose deadline has passed (under tensor parallelism, those the
         group's first rank finds late: each rank reads its own clock, all must end the same)."""
-        if all(c.sampling.deadline_s is None for c in self._live.values()):
+        if not self._deadlines:
             return []
         now = self.clock()
         late_ids = current().decide(
@@ -258,6 +261,8 @@ class Engine:
         other calls on the same LLM), so a request claims its slot here: it waits
         for one while requests of this engine run (they free theirs as they end);
         with none running it could wait forever, so it is rejected, naming the slots."""
+        if not self.waiting:
+            return
         # The pipeline's own bound (state slots, KV sizing) caps the engine's.
         limit = min(self.config.max_batch_size, self.pipeline.max_batch_size)
         claim = getattr(self.pipeline, "claim_slot", None)  # (a speculative pipeline's state store)
@@ -306,9 +311,11 @@ class Engine:
         budget = self.config.max_tokens_per_step
         batch: list[TextContext] = []
         num_new: list[int] = []
-        # Requests in decode first (oldest first), then prefills in arrival order.
-        for ctx in sorted(self.running, key=lambda c: (self.pipeline.unprocessed(c) > 1, c.arrival)):
-            want = self.pipeline.unprocessed(ctx)
+        unprocessed = self.pipeline.unprocessed
+        wants = [(unprocessed(c), c) for c in self.running]
+        if len(wants) > 1:  # requests in decode first (oldest first), then prefills in arrival order
+            wants.sort(key=lambda w: (w[0] > 1, w[1].arrival))
+        for want, ctx in wants:
             n = min(want, budget) if want > 1 else want
             if n < 1 or (n > budget and batch):
                 continue

@@ -503,3 +503,29 @@ def test_request_timing_fields(big_pipeline, ckpt):
     assert oa.ttft_s > 0 and oa.decode_s > 0
     assert ob.ttft_s > oa.ttft_s  # b queued behind all of a
     assert obad.ttft_s is None and obad.decode_s is None and obad.decode_tokens == 0
+
+
+def test_a_lone_request_whose_decode_logits_go_non_finite_ends_alone(big_pipeline, ckpt):
+    """A batch of one whose decode step reads a NaN key (its own slot 0, poisoned after the
+    prefill) ends with an error naming it and the position; the engine, its blocks and the
+    next request go on as before."""
+    _, hf = ckpt
+    prompt = _prompts(5, [9], hf.config.vocab_size)[0]
+    expected = _alone(big_pipeline, prompt, GREEDY)
+    engine = _engine(big_pipeline, max_batch_size=1)
+    ctx = engine.add_request(prompt, GREEDY)
+    engine.step()  # the prefill: one token
+    assert ctx.generated == expected[:1]
+    k = big_pipeline.caches[0].tensors.k
+    slot = ctx.kv[big_pipeline.cache_name].blocks[0] * BLOCK
+    kept = k[:, slot].clone()
+    try:
+        k[:, slot] = float("nan")
+        engine.step()
+    finally:
+        k[:, slot] = kept
+    assert ctx.finish_reason == "error" and ctx.generated == expected[:1]
+    assert "'req-0'" in ctx.error and "target's logits went non-finite" in ctx.error and "position 10" in ctx.error
+    assert not engine.has_work()
+    _assert_all_free(big_pipeline)
+    assert _alone(big_pipeline, prompt, GREEDY) == expected

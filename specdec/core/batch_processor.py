@@ -64,6 +64,30 @@ class DecoderBatchProcessor:
         self.config = config
         self.runtime = runtime
         self.state_store: RequestStateStore | None = None
+        # One-request decode steps on a single CPU replica reuse one set of index tensors.
+        self._decode_buffers = (DecodeBuffers(runtime.kv_caches[0].block_size, runtime.max_seq_len)
+                                if runtime.data_parallel_degree == 1 and torch.device(runtime.device).type == "cpu"
+                                else None)
+
+    def pack_decode(self, ctx: TextContext) -> DecoderInputs | None:
+        """The inputs of feeding ``ctx`` its one unprocessed token (a plain decode step of a
+        batch of one), in this processor's reused step buffers; None where they do not
+        serve (another device, data parallelism, or ``ctx`` has more than one token to feed):
+        pack with :meth:`prepare_initial_token_inputs` then. The same values, shapes and
+        flags as that packing, and its table advances the same way; the inputs are valid
+        until the next call: run them at once and keep nothing of them."""
+        bufs = self._decode_buffers
+        if bufs is None:
+            return None
+        table = ctx.kv[self.runtime.cache_name]
+        start = table.num_tokens
+        if start + 1 != len(ctx.tokens):
+            return None
+        if len(table.blocks) * bufs.block_size <= start:  # (the scheduler reserved it: a no-op then)
+            self.runtime.kv_caches[0].reserve(table, start + 1)
+        inputs = bufs.pack(ctx.tokens[start], start, table.blocks)
+        table.num_tokens = start + 1
+        return inputs
 
     # -- packing ----------------------------------------------------------------
     def prepare_initial_token_inputs(
@@ -149,6 +173,67 @@ class DecoderBatchProcessor:
         n = batch.return_n_logits if batch is not None else 1
         b = logits.shape[0] // n
         return ModelOutputs(logits=logits, hidden_states=hidden, logit_offsets=torch.arange(b + 1) * n)
+
+
+class DecodeBuffers:
+    """The index tensors of a one-request, one-token decode step, allocated once and
+    rewritten in place each step through numpy views of the same memory: packing such a
+    step creates no tensor (a new context length: one view of the slot buffer, kept).
+
+    Host work between two forwards runs on caches the forward's weight reads left cold, so
+    each tensor a step creates costs tens of microseconds there, not the 2-3 of a warm
+    loop; a plain batch-1 step packed nine of them.
+    ``pack`` gives the same tensors :func:`_pack_one` builds for it (values, shapes,
+    dtypes, flags) in one reused :class:`DecoderInputs`, valid until the next ``pack``."""
+
+    def __init__(self, block_size: int, max_seq_len: int) -> None:
+        self.block_size = block_size
+        z = lambda *shape: torch.zeros(shape, dtype=torch.long)  # noqa: E731
+        self.tokens, self.positions, self.slot, self.context_lengths = z(1), z(1), z(1), z(1)
+        self.q_pos = z(1, 1)
+        # Constant for such a step: its one query is packed row 0, its logits row 0.
+        self.q_index, self.out_index, self.logit_index = z(1, 1), z(1), z(1)
+        self._np = [t.numpy() for t in (self.tokens, self.positions, self.slot, self.context_lengths, self.q_pos)]
+        self._grow(max_seq_len)
+        # (one DecoderInputs too: each step sets only its slot view)
+        self.inputs = DecoderInputs(
+            tokens=self.tokens, positions=self.positions, slot_mapping=self.slot, gather_slots=self.gather[:, :1],
+            q_index=self.q_index, q_pos=self.q_pos, out_index=self.out_index, logit_index=self.logit_index,
+            context_lengths=self.context_lengths, single_request=True, mask=MaskKind.NONE,
+            data_parallel_splits=[0, 1],
+        )
+
+    def _grow(self, num_tokens: int) -> None:
+        """A slot buffer for contexts of up to ``num_tokens`` tokens (whole blocks)."""
+        cap = -(-num_tokens // self.block_size) * self.block_size
+        self.gather = torch.zeros(1, cap, dtype=torch.long)
+        self._gather_np = self.gather.numpy()[0]
+        self._views: dict[int, torch.Tensor] = {}  # context length -> gather[:, :length]
+        self._blocks: list[int] = []  # the block ids whose slots the buffer holds, in order
+
+    def pack(self, token: int, start: int, blocks: list[int]) -> DecoderInputs:
+        """Inputs feeding ``token`` at position ``start`` of a request whose KV blocks are
+        ``blocks`` (reserved past ``start``)."""
+        bs = self.block_size
+        ctx = start + 1
+        nb = -(-ctx // bs)
+        if nb * bs > self._gather_np.shape[0]:
+            self._grow(nb * bs)
+        if blocks[:nb] != self._blocks[:nb]:  # another request, or a new block: write its slots
+            held = blocks[:nb]
+            self._gather_np[: nb * bs] = (np.asarray(held, dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
+            self._blocks = held
+        tok, pos, slot, ctx_len, q_pos = self._np
+        tok[0] = token
+        pos[0] = start
+        q_pos[0, 0] = start
+        slot[0] = blocks[start // bs] * bs + start % bs
+        ctx_len[0] = ctx
+        gather = self._views.get(ctx)
+        if gather is None:
+            gather = self._views[ctx] = self.gather[:, :ctx]
+        self.inputs.gather_slots = gather
+        return self.inputs
 
 
 def _pack(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,7 +48,6 @@ from specdec.core.state_store import RequestStateStore
 from specdec.spec.metrics import RunStats
 from specdec.sampling import (
     LANE_TARGET,
-    finite_rows,
     greedy_tokens,
     probs_from_logits,
     sample_from,
@@ -475,6 +475,9 @@ class PlainGeneration:
         self.vocab_size = target.config.vocab_size
         self.max_batch_size = target.runtime.max_batch_size * target.runtime.data_parallel_degree
         self.num_forwards = 0
+        # Entered once per step, never nested (step enters it only from outside it): one
+        # instance, not a new one per step as the decorator makes.
+        self._inference = torch.inference_mode()
 
     def stats(self) -> RunStats:
         """Figures since the last :meth:`reset_stats` (plain decoding: forward passes only)."""
@@ -511,13 +514,19 @@ class PlainGeneration:
             out[c.replica].append(c)
         return out
 
-    @torch.inference_mode()
     def step(self, batch: list[TextContext], num_new: list[int]) -> list[list[int] | RequestFailure]:
-        return self.decode(batch, num_new)
+        if torch.is_inference_mode_enabled():  # (a caller already in it: no second entry)
+            return self.decode(batch, num_new)
+        with self._inference:
+            return self.decode(batch, num_new)
 
     def decode(self, batch: list[TextContext], num_new: list[int]) -> list[list[int] | RequestFailure]:
         """:meth:`step` for a caller already in inference mode (a speculative pipeline's plain
         steps: entering it once more cost about 15 µs a step, on caches the forward left cold)."""
+        if len(batch) == 1 and num_new[0] == 1:
+            out = self._decode_one(batch[0])
+            if out is not None:
+                return [out]
         rb = self.replica_batches(batch)
         order = [c for r in rb for c in r]
         n_of = {id(c): n for c, n in zip(batch, num_new)}
@@ -527,17 +536,7 @@ class PlainGeneration:
                                                                     with_state=False)
         out = self.target.execute(packed)
         self.num_forwards += 1
-        logits = out.logits  # [B, V]
-        st = sampling_tensors([c.sampling for c in order], [c.seed for c in order], logits.device)
-        if st.all_greedy:
-            toks = greedy_tokens(logits)
-        else:
-            probs = probs_from_logits(logits.unsqueeze(1), st).squeeze(1)
-            pos = torch.tensor([len(c.tokens) for c in order], dtype=torch.long, device=logits.device)
-            toks = sample_from(probs, st.seeds, pos, LANE_TARGET)
-        # A row of non-finite logits fails its request only (no other row saw
-        # it: PagedAttend); -1 flags it, read in the step's one sync.
-        toks_list = toks.masked_fill(~finite_rows(logits), -1).tolist()
+        toks_list = self._next_tokens(out.logits, order)
         result: dict[int, list[int] | RequestFailure] = {}
         for c, t in zip(order, toks_list):
             if c.processed(self.target.cache_name) != len(c.tokens):
@@ -547,6 +546,39 @@ class PlainGeneration:
             else:
                 result[id(c)] = [t]
         return [result[id(c)] for c in batch]
+
+    def _decode_one(self, ctx: TextContext) -> list[int] | RequestFailure | None:
+        """A decode step of a batch of one (``ctx`` feeds its last token), packed in the
+        processor's reused step buffers and run straight on the module: no replica split, no
+        per-step tensor but the forward's and the token's. None where those buffers do not
+        serve (:meth:`DecoderBatchProcessor.pack_decode`): the general path steps it."""
+        inputs = self.target.processor.pack_decode(ctx)
+        if inputs is None:
+            return None
+        inputs.kv_cache = self.target.caches[0].tensors
+        logits = self.target.modules[0](inputs).logits  # [1, V]
+        self.num_forwards += 1
+        if ctx.sampling.temperature == 0:  # the argmax, unless finite_rows' float32 row sum is not finite
+            t = greedy_tokens(logits).item() if math.isfinite(logits.sum(-1, dtype=torch.float32).item()) else -1
+        else:
+            t = self._next_tokens(logits, [ctx])[0]
+        return non_finite(ctx, "the target's logits", len(ctx.tokens)) if t < 0 else [t]
+
+    def _next_tokens(self, logits: torch.Tensor, order: list[TextContext]) -> list[int]:
+        """Each request's next token from its logits row ``[B, V]`` (greedy: the argmax; else
+        drawn at its sequence position), -1 where its row went non-finite: a row of NaN or
+        inf fails its request only (no other row saw it: PagedAttend)."""
+        if all(c.sampling.temperature == 0 for c in order):  # (no sampling tensors to build)
+            toks = greedy_tokens(logits)
+        else:
+            st = sampling_tensors([c.sampling for c in order], [c.seed for c in order], logits.device)
+            probs = probs_from_logits(logits.unsqueeze(1), st).squeeze(1)
+            pos = torch.tensor([len(c.tokens) for c in order], dtype=torch.long, device=logits.device)
+            toks = sample_from(probs, st.seeds, pos, LANE_TARGET)
+        # Two reads (tokens, row sums) and the check in Python: fewer tensor ops than a masked
+        # fill (finite_rows' rule: NaN and inf survive a row's float32 sum).
+        sums = logits.sum(-1, dtype=torch.float32).tolist()
+        return [t if math.isfinite(s) else -1 for t, s in zip(toks.tolist(), sums)]
 
 
 def non_finite(ctx: TextContext, what: str, position: int) -> RequestFailure:

@@ -379,3 +379,56 @@ def test_a_prompt_beside_decoding_requests_attends_in_its_own_group():
     # A batch of prompts alike stays one group.
     alike = [_ctx(f"a{i}", list(range(1, 30)), 0, cache) for i in range(4)]
     assert p.prepare_initial_token_inputs([alike]).inputs.attention_groups is None
+
+
+# -- a plain decode step of one request: the reused step buffers ----------------------
+
+
+_FIELDS = ("tokens", "positions", "slot_mapping", "gather_slots", "q_index", "q_pos", "out_index", "logit_index",
+           "context_lengths")
+
+
+def _twin(c: TextContext) -> TextContext:
+    """A copy of ``c`` on the same blocks (not allocated again), to pack the general way."""
+    t = TextContext(c.request_id, list(c.tokens), c.prompt_len, c.sampling)
+    t.kv[CACHE] = BlockTable(list(c.kv[CACHE].blocks), c.kv[CACHE].num_tokens)
+    return t
+
+
+def test_pack_decode_gives_the_general_packing_step_after_step():
+    """Two requests on interleaved blocks decode by turns, across block boundaries, past the
+    slot buffer's first size (max_seq_len 8) and after one is cut back and given new blocks:
+    every step's reused inputs equal what prepare_initial_token_inputs packs for it, and the
+    request's table advances the same way."""
+    p = _processor(block_size=4, max_seq_len=8)
+    cache = p.runtime.kv_caches[0]
+    a = _ctx("a", [1, 2, 3], 2, cache)
+    b = _ctx("b", [7, 8, 9, 10, 11], 4, cache)
+    steps = [a, b, a, b, a, a, a, a, b, b, b, b, b, b, a, a, a]
+    for i, c in enumerate(steps):
+        if i == 9:  # cut b back to 2 tokens and hand it fresh blocks (its old slots freed)
+            cache.reserve(a.kv[CACHE], len(a.tokens) + 12)
+            cache.truncate(b.kv[CACHE], 2)
+            del b.tokens[3:]
+        cache.reserve(c.kv[CACHE], len(c.tokens))
+        ref = p.prepare_initial_token_inputs([[_twin(c)]]).inputs
+        got = p.pack_decode(c)
+        assert got is not None
+        for f in _FIELDS:
+            g, r = getattr(got, f), getattr(ref, f)
+            assert g.shape == r.shape and g.dtype == r.dtype and torch.equal(g, r), (i, f, g, r)
+        assert (got.single_request, got.mask, got.data_parallel_splits) == (
+            ref.single_request, ref.mask, ref.data_parallel_splits)
+        assert c.kv[CACHE].num_tokens == len(c.tokens)
+        c.tokens.append(100 + i)  # the step's new token, fed by the next step of c
+
+
+def test_pack_decode_leaves_other_steps_to_the_general_packing():
+    """None (pack the general way) for a request with more than one token to feed, and on a
+    data-parallel processor; the table is left as it was."""
+    p = _processor()
+    c = _ctx("a", [1, 2, 3], 1, p.runtime.kv_caches[0])
+    assert p.pack_decode(c) is None and c.kv[CACHE].num_tokens == 1
+    dp = _processor(replicas=2)
+    d = _ctx("d", [1, 2, 3], 2, dp.runtime.kv_caches[0])
+    assert dp.pack_decode(d) is None and d.kv[CACHE].num_tokens == 2
