@@ -102,13 +102,18 @@ def build_pipeline(target: str | Path, method: ProposerConfig | None, runtime: R
     ``method`` is a proposer config (``NgramConfig``, ``DraftModelConfig`` …):
     its class finds the proposer in the registry.
     """
+    if runtime.data_parallel_degree > 1:
+        from specdec.dist.replicas import Replicas, replica_devices
+
+        devices = replica_devices(runtime.device, runtime.data_parallel_degree)
+        # One speculative pipeline per replica (specdec/dist/replicas.py), each on its device; plain
+        # decoding's replicas share one pipeline (the batch processor's splits) only on one device.
+        if method is not None or len(set(devices)) > 1:
+            one = replace(runtime, data_parallel_degree=1)
+            return Replicas.build(runtime.data_parallel_degree,
+                                  lambda r: build_pipeline(target, method, replace(one, device=devices[r])))
     if method is None:
         return PlainGeneration(registered_pipeline_model(target, runtime), runtime.max_seq_len)
-    if runtime.data_parallel_degree > 1:  # one speculative pipeline per replica (specdec/dist/replicas.py)
-        from specdec.dist.replicas import Replicas
-
-        one = replace(runtime, data_parallel_degree=1)
-        return Replicas.build(runtime.data_parallel_degree, lambda r: build_pipeline(target, method, one))
     from specdec.spec.gamma import GammaPolicyConfig
     from specdec.spec.pipeline import SpecConfig, SpecDecodePipelineModel
     from specdec.spec.proposers import ProposerDeps, proposer_for
@@ -174,7 +179,9 @@ class LLM:
     :class:`EngineConfig` (``max_tokens_per_step``, ``seed``) as keywords;
     ``max_batch_size`` sets both. They override the same fields of ``runtime``
     / ``engine_config`` when those are given too. ``threads`` sets torch's
-    (process-wide) thread count here.
+    (process-wide) thread count here. ``dtype`` defaults to "auto": float32 on CPU,
+    bfloat16 on CUDA (``LLM(target, device="cuda")`` runs in bfloat16; pass
+    ``dtype="float32"``, and ``tf32=False`` for float32 products to the last bit).
 
     Its requests are numbered ``req-0``, ``req-1`` … across all its calls and
     streams, never reused. Open streams, ``generate`` calls and engines of

@@ -136,6 +136,11 @@ class RunConfig:
     plots: bool = True
     progress: bool = True  # a bar on a terminal, else log lines (requests, tokens/s, τ; loading, warm-up, timing)
     allow_mismatch: bool = False  # greedy outputs unequal to plain decoding's: a log line, not exit code 3
+    # When a greedy difference from plain decoding is an error (specdec/spec/exactness.py): strict, any
+    # (bit equality); tolerant, not where the target's logits tie within exactness_tie_margin; auto,
+    # strict on CPU and tolerant on GPUs (whose kernels round a row by its batch's shape)
+    exactness: str = "auto"
+    exactness_tie_margin: Optional[float] = None  # a near tie's largest logit margin; null: 4 ulps of the dtype
 
     def __post_init__(self) -> None:
         if not self.target.path:
@@ -152,6 +157,11 @@ class RunConfig:
             raise ValueError(f"warmup_tokens must be >= 1, got {self.warmup_tokens}")
         if not self.name or "/" in self.name:
             raise ValueError(f"name must be a non-empty string without '/', got {self.name!r}")
+        if self.exactness not in ("auto", "strict", "tolerant"):
+            raise ValueError(f"exactness must be auto, strict or tolerant, got {self.exactness!r}")
+        tie = self.exactness_tie_margin
+        if tie is not None and not (tie >= 0 and tie != float("inf")):
+            raise ValueError(f"exactness_tie_margin must be a logit difference >= 0 (or null), got {tie}")
 
 
 # --------------------------------------------------------------------------------------

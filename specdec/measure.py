@@ -311,6 +311,29 @@ def outputs_equal(outs: Sequence[Sequence[int]], refs: Sequence[Sequence[int]]) 
     return len(outs) == len(refs) and all(first_mismatch(o, r) is None for o, r in zip(outs, refs))
 
 
+def judge_outputs(outs: Sequence[Sequence[int]], refs: Sequence[Sequence[int]], prompts: Sequence[Sequence[int]],
+                  target: DecoderPipelineModel, mode: str = "auto",
+                  tie_margin: float | None = None) -> dict[str, Any]:
+    """:func:`outputs_equal` under an exactness policy (:mod:`specdec.spec.exactness`; ``mode``
+    auto: strict on CPU, tolerant on a GPU): ``{"equal", "near_ties", "first_mismatch"}``.
+    ``equal``: no output differs beyond a near tie; ``near_ties``: outputs that differ only at a
+    near tie of ``target``'s logits (one forward over prompt and reference prefix for each
+    differing output); ``first_mismatch``: the first one's ``{index, position, margin, bound}``."""
+    from specdec.spec.exactness import NEAR_TIE, ExactnessPolicy, compute_eps, difference, target_logits
+
+    if len(outs) != len(refs):
+        return {"equal": False, "near_ties": 0, "first_mismatch": None}
+    policy = ExactnessPolicy.resolve(mode, target.runtime.device, tie_margin)
+    dtype = next((p.dtype for p in target.module.parameters() if p.is_floating_point()), torch.float32)
+    eps = compute_eps(dtype, target.runtime.device)
+    verdicts = [policy.judge(difference(o, r, lambda i, p=p, r=r: target_logits(target, [*p, *r[:i]]), eps))
+                for o, r, p in zip(outs, refs, prompts)]
+    wrong = [(k, v) for k, v in enumerate(verdicts) if v is not None and v["class"] != NEAR_TIE]
+    return {"equal": not wrong, "near_ties": sum(1 for v in verdicts if v is not None and v["class"] == NEAR_TIE),
+            "first_mismatch": {"index": wrong[0][0], **{k: wrong[0][1][k] for k in ("position", "margin", "bound")}}
+            if wrong else None}
+
+
 # --------------------------------------------------------------------------------------
 # bare forward times, the analytic limit, efficiency
 # --------------------------------------------------------------------------------------

@@ -259,7 +259,8 @@ main()
 
 def test_outputs_that_differ_from_plain_decoding_end_the_run_with_exit_3(tiny_pair, tmp_path, caplog):
     """A method whose greedy output differs from plain decoding's: the run saves everything, then
-    exits 3 naming the method, the first request and position; allow_mismatch=true logs it instead."""
+    exits 3 naming the method, the first request and position and the target's logit margin there (on
+    CPU any difference is a mismatch); allow_mismatch=true logs it instead."""
     from specdec.experiment import OutputsDiffer
 
     run_dir = tmp_path / "run"
@@ -270,20 +271,24 @@ def test_outputs_that_differ_from_plain_decoding_end_the_run_with_exit_3(tiny_pa
     out = subprocess.run([sys.executable, str(script), *over], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 3, out.stderr[-3000:]
-    assert "specdec: error: outputs differ from plain decoding: ngram (request p0, position 2)" in out.stderr
+    assert re.search(r"specdec: error: outputs differ from plain decoding: ngram \(request p0, position 2, "
+                     r"logit margin [0-9.]+\)", out.stderr), out.stderr[-3000:]
     assert "Traceback" not in out.stderr
     s = json.loads((run_dir / "summary.json").read_text())  # saved before the exit
-    assert s["complete"] is True and s["outputs_equal"] is False
-    assert s["methods"]["ngram"]["first_mismatch"] == {"id": "p0", "position": 2}
+    assert s["complete"] is True and s["outputs_equal"] is False and s["near_ties"] == 0
+    assert s["exactness"] == {"mode": "strict", "tie_margin": None}  # auto, on CPU
+    fm = s["methods"]["ngram"]["first_mismatch"]
+    assert (fm["id"], fm["position"], fm["bound"]) == ("p0", 2, None) and fm["margin"] > 0
     recs = _lines(run_dir / "results.jsonl")
     assert [r["methods"]["ngram"]["equal_to_plain"] for r in recs] == [False, True]
+    assert recs[0]["methods"]["ngram"]["first_mismatch"]["class"] == "mismatch"
     assert (run_dir / "summary.txt").is_file()
 
     # The finished run, resumed (nothing to generate): the same verdict, unless allowed.
-    with pytest.raises(OutputsDiffer, match=r"ngram \(request p0, position 2\)") as err:
+    with pytest.raises(OutputsDiffer, match=r"ngram \(request p0, position 2, logit margin") as err:
         run_experiment(_compose([*over, f"resume_dir={run_dir}"]))
     assert err.value.summary["outputs_equal"] is False
     with caplog.at_level("ERROR"):
         allowed = run_experiment(_compose([*over, f"resume_dir={run_dir}", "allow_mismatch=true"]))
     assert allowed["outputs_equal"] is False
-    assert "outputs differ from plain decoding: ngram (request p0, position 2)" in caplog.text
+    assert "outputs differ from plain decoding: ngram (request p0, position 2, logit margin" in caplog.text

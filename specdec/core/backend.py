@@ -267,8 +267,9 @@ def compile_decoder(module: nn.Module) -> None:
     # default limit of 8, later shapes would silently run eager.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     register_compiled_lowering()
-    on_cpu = all(p.device.type == "cpu" for p in module.parameters())
-    module.forward = _own_compiled(module, type(module).forward, _compile_options(on_cpu))
+    devices = {p.device.type for p in module.parameters()}
+    device_type = devices.pop() if len(devices) == 1 else "cpu"
+    module.forward = _own_compiled(module, type(module).forward, compile_options(device_type))
     module._backend = Backend(module, "compiled")
 
 
@@ -293,8 +294,18 @@ def _own_compiled(module: nn.Module, fn: Callable[..., Any], options: dict[str, 
     return torch.compile(types.MethodType(own, module), dynamic=True, options=opts)
 
 
-def _compile_options(on_cpu: bool) -> dict[str, Any] | None:
-    return {"cpp_wrapper": True} if on_cpu else None
+def compile_options(device_type: str) -> dict[str, Any] | None:
+    """Inductor's options for a graph on ``device_type``: on CPU its C++ wrapper
+    (:func:`compile_decoder`); on CUDA, CUDA graphs (``triton.cudagraphs``, what
+    ``mode="reduce-overhead"`` sets: ``torch.compile`` takes a mode or options, not both,
+    and ours carry a guard filter), so a step replays its recorded kernels in one launch
+    instead of launching each from Python. A CUDA graph serves one set of sizes: the batch
+    sizes a step meets are bounded by :func:`specdec.core.graphs.graph_bucket`."""
+    if device_type == "cpu":
+        return {"cpp_wrapper": True}
+    if device_type == "cuda":
+        return {"triton.cudagraphs": True}
+    return None
 
 
 def compile_function(fn: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
@@ -304,7 +315,7 @@ def compile_function(fn: Callable[..., Any], device: torch.device) -> Callable[.
     from specdec.core.linear import register_compiled_lowering
 
     register_compiled_lowering()
-    return torch.compile(fn, dynamic=True, options=_compile_options(device.type == "cpu"))
+    return torch.compile(fn, dynamic=True, options=compile_options(device.type))
 
 
 def compile_method(module: nn.Module, fn: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
@@ -315,4 +326,4 @@ def compile_method(module: nn.Module, fn: Callable[..., Any], device: torch.devi
     from specdec.core.linear import register_compiled_lowering
 
     register_compiled_lowering()
-    return _own_compiled(module, fn, _compile_options(device.type == "cpu"))
+    return _own_compiled(module, fn, compile_options(device.type))

@@ -9,15 +9,16 @@ requests address that replica's KV cache.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from specdec.core.context import TextContext
-from specdec.core.inputs import DecoderInputs, DecoderOutputs, MaskKind, ModelOutputs, move_tensors
-from specdec.core.kv_cache import PagedKVCache, block_table_array
+from specdec.core.graphs import context_bucket, graph_bucket
+from specdec.core.inputs import DecoderInputs, DecoderOutputs, KVCacheTensors, MaskKind, ModelOutputs
+from specdec.core.kv_cache import BlockTable, PagedKVCache, block_table_array
 from specdec.core.state_store import RequestStateStore
 
 
@@ -29,6 +30,9 @@ class BatchProcessorRuntime:
     max_batch_size: int
     max_seq_len: int
     device: torch.device | str = "cpu"
+    # Batch sizes a padded packing rounds up to (specdec.core.graphs; CUDA graphs on one
+    # replica); None: packings are never padded.
+    graph_buckets: tuple[int, ...] | None = None
 
     @property
     def data_parallel_degree(self) -> int:
@@ -64,6 +68,14 @@ class DecoderBatchProcessor:
         self.config = config
         self.runtime = runtime
         self.state_store: RequestStateStore | None = None
+        # A padded packing's extra requests each feed one token into this block, which no
+        # request holds (one replica only: padding is for one device's CUDA graphs).
+        self._scratch: BlockTable | None = None
+        if runtime.graph_buckets and runtime.data_parallel_degree == 1:
+            self._scratch = BlockTable()
+            runtime.kv_caches[0].reserve(self._scratch, 1)
+        # Off CPU: a step's host-built index tensors go to the device in one copy through it.
+        self.staging = HostStaging(runtime.device) if torch.device(runtime.device).type != "cpu" else None
         # One-request decode steps on a single CPU replica reuse one set of index tensors.
         self._decode_buffers = (DecodeBuffers(runtime.kv_caches[0].block_size, runtime.max_seq_len)
                                 if runtime.data_parallel_degree == 1 and torch.device(runtime.device).type == "cpu"
@@ -98,6 +110,7 @@ class DecoderBatchProcessor:
         num_tokens: Sequence[int] | None = None,
         lookahead: int | Sequence[int] = 0,
         with_state: bool = True,
+        pad: bool = False,
     ) -> PackedBatch:
         """Packs the replicas' contexts into one ragged batch.
 
@@ -111,6 +124,14 @@ class DecoderBatchProcessor:
         tokens fed. With a state store (and ``with_state``), ``state_slots``
         holds each request's slot (every request must hold one), so a step
         gathers and scatters the requests' state by it.
+
+        ``pad`` (with ``runtime.graph_buckets``): the batch is padded up to its bucket
+        (:func:`~specdec.core.graphs.graph_bucket`) with requests of one token each, after
+        the real ones, so a CUDA graph recorded for the bucket serves it. A pad request
+        writes and reads only a scratch KV slot no request holds, so no real row changes;
+        its rows are packed but left out of :meth:`process_outputs` (run the batch through
+        it, as ``execute`` does), and ``draft_index`` holds the real requests' rows only.
+        The key width is padded too (:func:`_widen_keys`).
         """
         rt = self.runtime
         if len(replica_batches) != rt.data_parallel_degree:
@@ -125,7 +146,7 @@ class DecoderBatchProcessor:
             missing = [c.request_id for c in ctxs if c.slot is None]
             if missing:
                 raise ValueError(f"requests {missing} hold no state-store slot")
-            state_slots = torch.tensor([c.slot for c in ctxs], dtype=torch.long, device=rt.device)
+            state_slots = torch.tensor([c.slot for c in ctxs], dtype=torch.long)
         look = [lookahead] * len(ctxs) if isinstance(lookahead, int) else list(lookahead)
         if len(look) != len(ctxs) or min(look) < 0:
             raise ValueError(f"lookahead needs one count >= 0 per request, got {lookahead}")
@@ -152,19 +173,37 @@ class DecoderBatchProcessor:
         bs = rt.kv_caches[0].block_size
         for c, s, ln, r in zip(ctxs, starts, lens, replica_of):
             rt.kv_caches[r].reserve(c.kv[name], s + ln)  # no-op when the scheduler reserved
-        inputs, draft_index = _pack(
-            tokens_list, starts, lens, [c.kv[name].blocks for c in ctxs], bs, return_n_logits, look
-        )
+        tables = [c.kv[name].blocks for c in ctxs]
+        extra = self._pad_count(len(ctxs)) if pad else 0
+        if extra:  # (each pad: token 0 at position 0 of the scratch block)
+            tokens_list += [0] * extra
+            starts, lens, look = starts + [0] * extra, lens + [1] * extra, look + [0] * extra
+            tables += [self._scratch.blocks] * extra  # type: ignore[union-attr]
+            splits[-1] += extra
+        inputs, draft_index = _pack(tokens_list, starts, lens, tables, bs, return_n_logits, look)
+        if pad and self._scratch is not None:
+            _widen_keys(inputs)
+        if extra:
+            look, lens = look[: len(ctxs)], lens[: len(ctxs)]
+            if draft_index is not None:
+                draft_index = draft_index[: len(ctxs)]
         for c, ln in zip(ctxs, lens):
             c.kv[name].num_tokens += ln
         inputs.data_parallel_splits = splits
-        inputs = move_tensors(inputs, rt.device)  # packed on the host; the model reads them on its device
-        if draft_index is not None:
-            draft_index = draft_index.to(rt.device, non_blocking=True)
+        if self.staging is not None:  # packed on the host; the model reads them on its device
+            inputs, draft_index, state_slots = self.staging.move(inputs, draft_index, state_slots)
         return PackedBatch(inputs, ctxs, num_new, look, draft_index, return_n_logits, state_slots)
 
+    def _pad_count(self, n: int) -> int:
+        """Pad requests a padded packing of ``n`` requests adds (0: no buckets, or ``n`` past the largest)."""
+        buckets = self.runtime.graph_buckets
+        if self._scratch is None or not buckets or n > buckets[-1]:
+            return 0
+        return graph_bucket(n, buckets) - n
+
     def process_outputs(self, outputs: Sequence[DecoderOutputs | object], batch: PackedBatch | None = None) -> ModelOutputs:
-        """Maps the replicas' raw outputs to one :class:`ModelOutputs`."""
+        """Maps the replicas' raw outputs to one :class:`ModelOutputs` (a padded batch's pad
+        rows left out)."""
         outs = [o for o in outputs if isinstance(o, DecoderOutputs)]
         if not outs:
             raise ValueError("process_outputs got no DecoderOutputs")
@@ -172,7 +211,110 @@ class DecoderBatchProcessor:
         hidden = outs[0].hidden_states if len(outs) == 1 else torch.cat([o.hidden_states for o in outs])
         n = batch.return_n_logits if batch is not None else 1
         b = logits.shape[0] // n
+        if batch is not None and len(batch.contexts) < b:  # padded: the real requests come first
+            b = len(batch.contexts)
+            logits, hidden = logits[: b * n], hidden[: b * n]
         return ModelOutputs(logits=logits, hidden_states=hidden, logit_offsets=torch.arange(b + 1) * n)
+
+
+def _widen_keys(inputs: DecoderInputs) -> None:
+    """Widens ``gather_slots`` to :func:`~specdec.core.graphs.context_bucket` columns, in
+    place, where the mask hides keys by position: the added keys (slot 0) lie past every
+    request's context, so its mask hides them. A lone one-token step gets that mask too
+    (MaskKind.NONE saw every gathered key). Prompt steps (causal, or packed in attention
+    groups) keep their width."""
+    if inputs.attention_groups is not None or inputs.mask == MaskKind.CAUSAL:
+        return
+    g = inputs.gather_slots
+    extra = context_bucket(g.shape[1]) - g.shape[1]
+    if extra:
+        inputs.gather_slots = torch.cat([g, g.new_zeros(g.shape[0], extra)], dim=1)
+    inputs.mask = MaskKind.EXPLICIT
+
+
+class HostStaging:
+    """A step's host-built int64 tensors moved to ``device`` in one copy.
+
+    A packed step has a dozen small index tensors (more with attention groups); each
+    ``.to(device)`` from pageable memory is a copy of its own through a driver staging
+    buffer. Here they are written one after another into one host buffer, pinned where
+    the device is CUDA, copied once (``non_blocking``), and handed out as views of the
+    device copy with their shapes. The host buffer is reused: a step waits for the
+    previous step's copy out of it before writing (long done by then, in practice).
+    Tensors of other dtypes (none from the packer) move on their own."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._pin = self.device.type == "cuda"
+        self._host = torch.empty(0, dtype=torch.long)
+        self._done: Any = None  # a CUDA event after the last copy out of _host
+
+    def move(self, *objs: Any) -> tuple[Any, ...]:
+        """``objs`` (tensors, dataclasses of them, None) with their host int64 tensors on the
+        device, in one :meth:`copy`."""
+        found: list[torch.Tensor] = []
+        for o in objs:
+            _host_tensors(o, found)
+        if not found:
+            return objs
+        flat = self.copy(found)
+        views = iter(flat)
+        return tuple(_with_tensors(o, views, self.device) for o in objs)
+
+    def copy(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``tensors`` (host, int64) on the device, through one host-to-device copy."""
+        sizes = [t.numel() for t in tensors]
+        total = sum(sizes)
+        if self._done is not None:
+            self._done.synchronize()  # the previous copy has left the buffer we overwrite
+        if self._host.numel() < total:
+            self._host = torch.empty(max(total, 2 * self._host.numel()), dtype=torch.long, pin_memory=self._pin)
+        buf = self._host[:total]
+        torch.cat([t.reshape(-1) for t in tensors], out=buf)
+        dev = self._transfer(buf)
+        if self._pin:  # (the copy's stream: the staging device's, which need not be the current device)
+            if self._done is None:
+                self._done = torch.cuda.Event()
+            self._done.record(torch.cuda.current_stream(self.device))
+        return [v.view(t.shape) for v, t in zip(dev.split(sizes), tensors)]
+
+    def _transfer(self, buf: torch.Tensor) -> torch.Tensor:
+        """The one copy of a step (a copy of its own on a host "device": the buffer is reused)."""
+        return buf.clone() if self.device.type == "cpu" else buf.to(self.device, non_blocking=True)
+
+
+def _host_tensors(obj: Any, out: list[torch.Tensor]) -> None:
+    """Appends ``obj``'s host int64 tensors (its own, its dataclass fields', a list's), in the
+    order :func:`_with_tensors` puts them back."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "cpu" and obj.dtype == torch.long:
+            out.append(obj)
+    elif isinstance(obj, list):
+        for x in obj:
+            _host_tensors(x, out)
+    elif is_dataclass(obj) and not isinstance(obj, (type, KVCacheTensors)):
+        for f in fields(obj):
+            _host_tensors(getattr(obj, f.name), out)
+
+
+def _with_tensors(obj: Any, views: Any, device: torch.device) -> Any:
+    """``obj`` with each tensor :func:`_host_tensors` found replaced by the next of ``views``
+    (other tensors moved on their own); a copy where anything changed."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "cpu" and obj.dtype == torch.long:
+            return next(views)
+        return obj if obj.device == device else obj.to(device, non_blocking=True)
+    if isinstance(obj, list):
+        return [_with_tensors(x, views, device) for x in obj] if obj and not isinstance(obj[0], int) else obj
+    if is_dataclass(obj) and not isinstance(obj, (type, KVCacheTensors)):
+        changes = {}
+        for f in fields(obj):
+            v = getattr(obj, f.name)
+            nv = _with_tensors(v, views, device)
+            if nv is not v:
+                changes[f.name] = nv
+        return replace(obj, **changes) if changes else obj
+    return obj
 
 
 class DecodeBuffers:

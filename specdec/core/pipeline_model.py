@@ -34,6 +34,7 @@ from specdec.core.batch_processor import (
 from specdec.core.checkpoint import LoadedDecoder, load_decoder
 from specdec.core.context import RequestFailure, TextContext
 from specdec.core.flex import use_flex_attention
+from specdec.core.graphs import graph_buckets
 from specdec.core.inputs import DecoderOutputs, ModelOutputs
 from specdec.core.kv_cache import BlockTable, KVCacheParams, PagedKVCache, available_memory, human_bytes
 from specdec.core.backend import (  # (compile_*: also imported from here)
@@ -69,7 +70,12 @@ class RuntimeConfig:
     # Ranks one model is split across (heads, MLP columns, vocabulary; specdec/dist): torchrun
     # --nproc-per-node <tensor_parallel_degree × data_parallel_degree> -m specdec.run ...
     tensor_parallel_degree: int = 1
-    dtype: str | None = "float32"  # None: the checkpoint's declared dtype
+    # "auto": float32 on CPU (our kernels' dtype), bfloat16 on CUDA (tensor cores, half the
+    # bytes per step); None: the checkpoint's declared dtype. Read it as ``compute_dtype``.
+    dtype: str | None = "auto"
+    # CUDA: float32 matmuls on TF32 tensor cores (process-wide, set when a CUDA pipeline is
+    # built); false for float32 products to the last bit. No effect on CPU.
+    tf32: bool = True
     device: str = "cpu"
     compile: bool = False  # torch.compile each decoder (dynamic shapes); the first calls compile
     threads: int | None = None  # torch.set_num_threads for a run; None: torch's default
@@ -95,7 +101,7 @@ class RuntimeConfig:
             if v < 1:
                 raise ValueError(f"runtime.{k} must be >= 1{' or null' if k in ('num_blocks', 'threads') else ''}, "
                                  f"got {v}")
-        for k in ("compile", "keep_allocations"):
+        for k in ("compile", "keep_allocations", "tf32"):
             if not isinstance(getattr(self, k), bool):
                 raise ValueError(f"runtime.{k} must be true or false, got {getattr(self, k)!r:.200}")
         if not isinstance(self.device, str):
@@ -104,8 +110,23 @@ class RuntimeConfig:
             raise ValueError(f"runtime.cpu_linear must be one of {(*KERNELS, 'aten')}, got {self.cpu_linear!r}")
         if self.attention not in ("auto", "flex"):
             raise ValueError(f"runtime.attention must be auto or flex, got {self.attention!r:.200}")
-        if self.dtype is not None and self.dtype not in ("float32", "float16", "bfloat16", "float64"):
-            raise ValueError(f"runtime.dtype must be float32, float16, bfloat16, float64 or null, got {self.dtype!r}")
+        if self.dtype is not None and self.dtype not in ("auto", "float32", "float16", "bfloat16", "float64"):
+            raise ValueError(f"runtime.dtype must be auto, float32, float16, bfloat16, float64 or null, "
+                             f"got {self.dtype!r}")
+
+    @property
+    def compute_dtype(self) -> str | None:
+        """``dtype`` with "auto" resolved for ``device``: bfloat16 on CUDA, else float32
+        (None: the checkpoint's declared dtype)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """:attr:`compute_dtype` as a ``torch.dtype`` (None: the checkpoint's declared dtype)."""
+        name = self.compute_dtype
+        return getattr(torch, name) if name else None
 
     def blocks(self, extra_tokens: int = 0) -> int:
         if self.num_blocks is not None:
@@ -294,7 +315,8 @@ def registered_pipeline_model(
     positions, fails before any weight is read.
     """
     check_device(runtime.device)
-    dtype = getattr(torch, runtime.dtype) if runtime.dtype else None
+    configure_device(runtime)
+    dtype = runtime.torch_dtype
     tp, build = runtime.tensor_parallel_degree, None
     if tp > 1:  # this rank's shard only (specdec/dist); the process group comes from torchrun's env
         from specdec.dist import init_from_env, tensor_parallel
@@ -333,11 +355,19 @@ def registered_pipeline_model(
         device=runtime.device,
     )
     caches = [PagedKVCache(kv_params, cache_name) for _ in range(runtime.data_parallel_degree)]
+    graphs = cuda_graphs(runtime)
+    if graphs:  # a CUDA graph may write only tensors whose address never changes: the caches' is fixed
+        import torch._dynamo
+
+        for c in caches:
+            torch._dynamo.mark_static_address(c.tensors.k)
+            torch._dynamo.mark_static_address(c.tensors.v)
     rt = BatchProcessorRuntime(
         kv_caches=caches,
         max_batch_size=runtime.max_batch_size,
         max_seq_len=runtime.max_seq_len + extra_tokens,
         device=runtime.device,
+        graph_buckets=graph_buckets(runtime.max_batch_size) if graphs else None,
     )
     processor = processor_cls(config, rt)
     return DecoderPipelineModel(modules, config, processor, runtime, path=loaded.path,
@@ -356,6 +386,23 @@ def check_device(device: str) -> None:
         raise ValueError(f"runtime.device={device!r} cannot be used: {e}") from None
 
 
+def cuda_graphs(runtime: RuntimeConfig) -> bool:
+    """Whether ``runtime``'s compiled forwards replay CUDA graphs (``compile`` on a CUDA device,
+    one replica: :func:`specdec.core.backend.compile_options`); plain decoding's batches are
+    then padded to :func:`~specdec.core.graphs.graph_buckets` sizes."""
+    return runtime.compile and torch.device(runtime.device).type == "cuda" and runtime.data_parallel_degree == 1
+
+
+def configure_device(runtime: RuntimeConfig) -> None:
+    """Process-wide settings a pipeline on ``runtime.device`` runs under: on CUDA, whether
+    float32 matmuls (and cuDNN convolutions) may use TF32 tensor cores (``runtime.tf32``).
+    Nothing on any other device."""
+    if torch.device(runtime.device).type != "cuda":
+        return
+    torch.backends.cuda.matmul.allow_tf32 = runtime.tf32
+    torch.backends.cudnn.allow_tf32 = runtime.tf32
+
+
 def check_memory(config: Any, runtime: RuntimeConfig, path: Path, *, kv_heads: int, extra_tokens: int = 0,
                  weights: bool = True) -> None:
     """Raises ``ValueError`` naming the runtime setting when the KV cache it sizes (and, with
@@ -365,7 +412,7 @@ def check_memory(config: Any, runtime: RuntimeConfig, path: Path, *, kv_heads: i
     avail = available_memory(runtime.device)
     if avail is None:
         return
-    dtype = getattr(torch, runtime.dtype) if runtime.dtype else getattr(config, "dtype", torch.float32)
+    dtype = runtime.torch_dtype or getattr(config, "dtype", torch.float32)
     esz = torch.empty(0, dtype=dtype).element_size()
     blocks, replicas = runtime.blocks(extra_tokens), runtime.data_parallel_degree
     kv = 2 * config.num_hidden_layers * kv_heads * config.head_dim * blocks * runtime.block_size * esz * replicas
@@ -532,8 +579,9 @@ class PlainGeneration:
         n_of = {id(c): n for c, n in zip(batch, num_new)}
         # (with_state=False: a speculative pipeline's target has a state store, which plain steps
         # never read: no slots tensor to build)
+        # (pad: to a CUDA graph's batch size, where the runtime records them; execute drops the pad rows)
         packed = self.target.processor.prepare_initial_token_inputs(rb, num_tokens=[n_of[id(c)] for c in order],
-                                                                    with_state=False)
+                                                                    with_state=False, pad=True)
         out = self.target.execute(packed)
         self.num_forwards += 1
         toks_list = self._next_tokens(out.logits, order)

@@ -6,6 +6,9 @@ speculative pipeline keeps per-request state of its own (state slots, draft
 caches, acceptance), so its replicas are whole pipelines: :class:`Replicas`
 gives each request to the pipeline of its ``ctx.replica`` (the engine spreads
 requests round-robin) and steps every replica that has requests in the batch.
+
+On a machine with several CUDA devices each replica gets a device of its own
+(:func:`replica_devices`), and plain decoding's replicas are whole pipelines too.
 """
 
 from __future__ import annotations
@@ -16,6 +19,27 @@ from typing import Any
 
 from specdec.core.context import RequestFailure, TextContext
 from specdec.spec.metrics import PHASES, RunStats, SpecCounts
+
+
+def replica_devices(device: str, n: int, device_count: int | None = None) -> list[str]:
+    """The device of each of ``n`` in-process replicas of a model on ``device``.
+
+    On CUDA they take consecutive devices from ``device``'s index (0 for plain "cuda"),
+    wrapping past the last of the ``device_count`` (default: torch's count): distinct
+    devices while there are enough, shared round-robin beyond that. Any other device, or
+    no CUDA device seen, hosts every replica."""
+    if n < 1:
+        raise ValueError(f"runtime.data_parallel_degree must be >= 1, got {n}")
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return [device] * n
+    count = torch.cuda.device_count() if device_count is None else device_count
+    if count < 1:
+        return [device] * n
+    first = dev.index or 0
+    return [f"cuda:{(first + r) % count}" for r in range(n)]
 
 
 @contextmanager

@@ -47,7 +47,10 @@ the run with what is saved left valid, and the exception carries (as a note)
 the command that continues the run. A run holds its dir's lock while it writes
 it (:class:`~.rundir.RunDirLock`): a second run there fails at once
 (:class:`RunDirBusy`). Greedy outputs of a method that differ from plain
-decoding's end the run, once everything is saved, with :class:`OutputsDiffer`
+decoding's are judged by the run's exactness policy (``exactness``,
+:mod:`specdec.spec.exactness`; strict on CPU: any difference): a difference at a
+near tie of the target's logits is counted in ``near_ties`` and logged, a
+mismatch ends the run, once everything is saved, with :class:`OutputsDiffer`
 unless ``allow_mismatch=true``.
 
 ``summary.json`` also records the ``machine`` (:mod:`.machine`): CPU, OS,
@@ -114,6 +117,7 @@ from specdec.experiment.runner import Request, Runner, request_seed
 from specdec.experiment.summary import TABLE_COLUMNS, request_metrics, summarize, table_rows
 from specdec.experiment.sweep import SweepPlots
 from specdec.logging import RunLogger, build_logger, summary_table
+from specdec.spec.exactness import ExactnessPolicy
 from specdec.zoo_fetch import resolve_target
 
 __all__ = [
@@ -148,12 +152,18 @@ class OutputsDiffer(Exception):
     ``summary``: the run's summary."""
 
     def __init__(self, summary: dict[str, Any], results: Path) -> None:
-        bad = [f"{n} (request {m['first_mismatch']['id']}, position {m['first_mismatch']['position']})"
-               if m.get("first_mismatch") else n
+        bad = [f"{n} ({_where(m['first_mismatch'])})" if m.get("first_mismatch") else n
                for n, m in summary["methods"].items() if m["outputs_equal"] is False]
         super().__init__(f"outputs differ from plain decoding: {', '.join(bad)}; every request's "
                          f"equal_to_plain and first_mismatch are in {results} (allow_mismatch=true accepts this)")
         self.summary = summary
+
+
+def _where(d: dict[str, Any]) -> str:
+    """``request <id>, position <i>`` of a summary's first difference, and the target's margin there."""
+    margin = "" if d.get("margin") is None else f", logit margin {d['margin']:.3g}"
+    bound = "" if d.get("bound") is None else f" (tie bound {d['bound']:.3g})"
+    return f"request {d['id']}, position {d['position']}{margin}{bound if margin else ''}"
 
 
 class Terminated(KeyboardInterrupt):
@@ -219,6 +229,7 @@ def _run_in(rc: RunConfig, comps: Components, rdir: Path, dctx: DistContext) -> 
 
     resuming = rc.resume or rc.resume_dir is not None
     cfg_dict = to_plain_dict(rc)
+    policy = ExactnessPolicy.resolve(rc.exactness, comps.runtime.device, rc.exactness_tie_margin)
     if resuming:
         check_resume_config(rdir, cfg_dict)
     store = ResultsStore(rdir, resume=resuming)  # refuses a dir with results unless resuming
@@ -260,6 +271,7 @@ def _run_in(rc: RunConfig, comps: Components, rdir: Path, dctx: DistContext) -> 
         "batch_size": rc.batch_size,
         "num_prompts": len(prompts),
         "machine": machine_record(comps.runtime.device),
+        "exactness": {"mode": policy.mode, "tie_margin": policy.tie_margin},  # tie_margin None: TIE_ULPS ulps
     }
     timings_file = rdir / FORWARD_TIMES_FILE
     timings: dict[str, Any] = json.loads(timings_file.read_text()) if timings_file.is_file() else {}
@@ -287,7 +299,7 @@ def _run_in(rc: RunConfig, comps: Components, rdir: Path, dctx: DistContext) -> 
                 # One process: batch after batch. torchrun: each replica its share, records merged here.
                 for done in dp.run_batches(runner, reqs, rc.batch_size, first_batch, dctx):
                     for rec in done:
-                        store.append(rec)
+                        store.append(policy.judge_record(rec))
                         logger.log_request(request_metrics(rec), step=len(store.records))
                     so_far = current_summary()
                     write_json(rdir / SUMMARY_FILE, so_far)
@@ -322,6 +334,10 @@ def _run_in(rc: RunConfig, comps: Components, rdir: Path, dctx: DistContext) -> 
                   summary["errors"], len(recs), _first_error(recs), rdir / RESULTS_FILE)
     if summary["outputs_equal"] is False and rc.allow_mismatch:  # else OutputsDiffer, once all is saved
         log.error("%s", OutputsDiffer(summary, rdir / RESULTS_FILE))
+    if summary["near_ties"]:
+        log.warning("outputs differ from plain decoding at near ties of the target's logits (%s exactness, not an "
+                    "error): %s", policy.mode, ", ".join(f"{n} {m['near_ties']}x, first {_where(m['first_near_tie'])}"
+                                                         for n, m in summary["methods"].items() if m["near_ties"]))
 
     images = {}
     if rc.plots:

@@ -16,6 +16,11 @@ conversation (greedy: the same one). Its record keeps every turn's figures in
 text and ``output_ids``) and, in the entry itself, the totals over the turns:
 tokens, times, speculation counts; ``equal_to_plain`` and ``first_mismatch``
 compare all turns' outputs, concatenated.
+
+A greedy output that differs from plain decoding's gets, in ``first_mismatch``,
+the first differing position and the target's logit margin there (one target
+forward over plain decoding's prefix, :func:`specdec.spec.exactness.difference`);
+the run judges it by its exactness policy (a near tie or a mismatch).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Any
+
+import torch
 
 from specdec.api import LLM
 from specdec.conf_schema import Components
@@ -42,7 +49,6 @@ from specdec.measure import (
     LIMIT_RUN,
     ForwardTimes,
     Run,
-    first_mismatch,
     limit_context,
     limit_from,
     limit_runs,
@@ -50,6 +56,7 @@ from specdec.measure import (
     warm_up,
     with_room_for_bare,
 )
+from specdec.spec.exactness import compute_eps, difference, target_logits
 from specdec.spec.metrics import SpecCounts
 
 log = logging.getLogger(__name__)
@@ -157,12 +164,23 @@ def _total(turns: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return e
 
 
-def _compare(e: dict[str, Any], out: Sequence[int], plain: dict[str, Any], plain_out: Sequence[int]) -> None:
-    """Sets ``e``'s ``equal_to_plain`` and ``first_mismatch`` (None: not compared, a side failed)."""
+def _compare(e: dict[str, Any], out: Sequence[int], plain: dict[str, Any], plain_out: Sequence[int],
+             logits_at: Callable[[int], Any], eps: float) -> None:
+    """Sets ``e``'s ``equal_to_plain`` (bit equality; None: not compared, a side failed) and
+    ``first_mismatch`` (None, or :func:`~specdec.spec.exactness.difference`'s position and margin)."""
     compared = not (e["error"] or plain["error"])  # a failed side has no output to compare
-    mismatch = first_mismatch(out, plain_out) if compared else None
-    e["equal_to_plain"] = mismatch is None if compared else None
-    e["first_mismatch"] = mismatch
+    diff = difference(out, plain_out, logits_at, eps) if compared else None
+    e["equal_to_plain"] = diff is None if compared else None
+    e["first_mismatch"] = diff
+
+
+def _conversation_logits(turn_logits: Callable[[int, int], Any], outs: Sequence[Sequence[int]], i: int) -> Any:
+    """``turn_logits`` at position ``i`` of the turns' outputs concatenated."""
+    for t, o in enumerate(outs):
+        if i < len(o):
+            return turn_logits(t, i)
+        i -= len(o)
+    return None
 
 
 class Runner:
@@ -189,6 +207,11 @@ class Runner:
         # Every batch's rounds of the analytic limit's bare forwards (measure.limit_runs), by contestant.
         self.bare_rounds: dict[str, list[list[float]]] = {}
         self.no_room_for_bare = False  # a bare forward did not fit in the KV cache: no limit
+        # A differing greedy output's margin: the plain target's logits, in its compute dtype's precision.
+        target = self.plain.pipeline.target  # type: ignore[attr-defined]
+        dtype = comps.runtime.torch_dtype or next(
+            (p.dtype for p in target.module.parameters() if p.is_floating_point()), torch.float32)
+        self.eps = compute_eps(dtype, comps.runtime.device)
 
     @property
     def plain(self) -> LLM:
@@ -247,6 +270,7 @@ class Runner:
         prompts: dict[str, dict[str, tuple[str | None, list[int]]]] = {
             name: {rid: (r.text, r.ids) for rid, r in by_id.items()} for name in self.llms}
         ended: dict[str, set[str]] = {name: set() for name in self.llms}  # a failed turn ends its conversation
+        plain_prompts: dict[str, list[list[int]]] = {rid: [] for rid in by_id}  # each turn's, for margins
         for t in range(max(r.num_turns for r in reqs)):
             items = {name: [(rid, prompts[name][rid][1], r.sampling) for rid, r in by_id.items()
                             if r.num_turns > t and rid not in ended[name]]
@@ -254,6 +278,8 @@ class Runner:
             if not any(items.values()):
                 break
             self._run_turn(items, batch_index + t, turns, outs)
+            for rid, ids, _ in items[PLAIN]:
+                plain_prompts[rid].append(ids)
             for name, its in items.items():
                 for rid, ids, _ in its:
                     e, r = turns[name][rid][t], by_id[rid]
@@ -275,7 +301,7 @@ class Runner:
                             continue
                         prompts[name][rid] = text, self.prompt_ids(r.prompt, text)
         now = time.time()
-        return [self._record(r, turns, outs, batch_index, len(reqs), now) for r in reqs]
+        return [self._record(r, turns, outs, plain_prompts[r.prompt.id], batch_index, len(reqs), now) for r in reqs]
 
     def _run_turn(
         self,
@@ -320,12 +346,15 @@ class Runner:
         r: Request,
         turns: dict[str, dict[str, list[dict[str, Any]]]],
         outs: dict[str, dict[str, list[list[int]]]],
+        plain_prompts: Sequence[list[int]],
         batch_index: int,
         batch_size: int,
         now: float,
     ) -> dict[str, Any]:
         """The ``results.jsonl`` line of ``r``: plain's and each method's entry (totals over turns)."""
         rid, multi = r.prompt.id, r.num_turns > 1
+        plain_outs = outs[PLAIN][rid]
+        turn_logits = self._logits_cache(rid, plain_prompts, plain_outs)
 
         def entry(name: str) -> tuple[dict[str, Any], list[int]]:
             ts, os_ = turns[name][rid], outs[name][rid]
@@ -345,11 +374,32 @@ class Runner:
         for name in self.comps.methods:
             e, out = entry(name)
             if multi:
-                for te, o, pe, po in zip(e["turns"], outs[name][rid], plain["turns"], outs[PLAIN][rid]):
-                    _compare(te, o, pe, po)
-            _compare(e, out, plain, plain_ids)
+                for t, (te, o, pe, po) in enumerate(zip(e["turns"], outs[name][rid], plain["turns"], plain_outs)):
+                    _compare(te, o, pe, po, partial(turn_logits, t), self.eps)
+            _compare(e, out, plain, plain_ids, partial(_conversation_logits, turn_logits, plain_outs), self.eps)
             rec["methods"][name] = e
         return rec
+
+    def _logits_cache(self, rid: str, prompts: Sequence[list[int]],
+                      outs: Sequence[list[int]]) -> Callable[[int, int], torch.Tensor | None]:
+        """``(turn, i) ->`` the plain target's logits after turn ``turn``'s prompt and its first ``i``
+        output tokens (the ones that chose token ``i``), each computed once; None in a sampled
+        run (nothing to weigh) or where the forward cannot run (it says why)."""
+        memo: dict[tuple[int, int], torch.Tensor | None] = {}
+
+        def at(turn: int, i: int) -> torch.Tensor | None:
+            if not self.comps.sampling.greedy or turn >= len(prompts):
+                return None
+            if (turn, i) not in memo:
+                try:
+                    memo[turn, i] = target_logits(self.plain.pipeline.target,  # type: ignore[attr-defined]
+                                                  [*prompts[turn], *outs[turn][:i]])
+                except (OutOfBlocks, RuntimeError, ValueError) as e:
+                    log.warning("request %s: no logit margin for its first difference from plain decoding: %s",
+                                rid, e)
+                    memo[turn, i] = None
+            return memo[turn, i]
+        return at
 
     def _limit_runs(self, plain_items: Sequence[Item]) -> dict[str, Run[list[float]]]:
         """The bare forwards of each method's analytic limit as contestants of a turn

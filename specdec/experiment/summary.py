@@ -13,6 +13,11 @@ figures over that category's requests: ``plain.by_category.<cat>`` =
 :data:`PLAIN_CATEGORY_KEYS`, ``methods.<name>.by_category.<cat>`` =
 :data:`CATEGORY_KEYS`; present when any request has a category (requests
 without one count under :data:`NO_CATEGORY`).
+
+Greedy equality is judged by each request's ``first_mismatch`` verdict (the run's
+exactness policy, :mod:`specdec.spec.exactness`): ``outputs_equal`` is false on any
+``mismatch``; outputs that differ only at a ``near_tie`` count in ``near_ties``
+(per method and in all) and leave it true.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 
 from specdec.experiment.rundir import PLAIN, failed
 from specdec.measure import ForwardTimes, efficiency, spec_limit
+from specdec.spec.exactness import EQUAL, MISMATCH, NEAR_TIE
 from specdec.spec.metrics import SpecCounts
 
 
@@ -142,6 +148,7 @@ def summarize(
                                 for c, rs in cats.items()}
     eqs = [m["outputs_equal"] for m in out["methods"].values()]
     out["outputs_equal"] = False if False in eqs else (True if eqs and None not in eqs else None)
+    out["near_ties"] = sum(m["near_ties"] for m in out["methods"].values())
     out["errors"] = sum(1 for r in records if failed(r))  # requests that failed in any pipeline
     return out
 
@@ -182,6 +189,8 @@ def _method_figures(
     base = _throughput([r[PLAIN] for r in both])
     counts, has_hist = merge_counts(ents)
     n_eq = sum(1 for e in ents if e.get("equal_to_plain"))
+    ties = [r for r in both if _verdict(r["methods"][name]) == NEAR_TIE]
+    wrong = [r for r in both if _verdict(r["methods"][name]) == MISMATCH]
     taus = [e["tau"] for e in ents if e.get("tau") is not None]
     m = {
         "gamma": gamma,
@@ -200,11 +209,13 @@ def _method_figures(
         "accepted": counts.accepted,
         "mean_request_tau": sum(taus) / len(taus) if taus else None,
         # equal only when every request was compared: a failed one (here or in plain) is not
-        "outputs_equal": _all_equal(n_eq, len(ents), len(mine)) if greedy else None,
+        "outputs_equal": _all_equal(n_eq + len(ties), len(ents), len(mine)) if greedy else None,
         "num_equal": n_eq,
-        # the first request (in run order) whose output differs from plain decoding's, and where
-        "first_mismatch": next(({"id": r["id"], "position": r["methods"][name].get("first_mismatch")} for r in both
-                                if r["methods"][name].get("equal_to_plain") is False), None) if greedy else None,
+        "near_ties": len(ties) if greedy else 0,  # differing only where the target's top logits (near) tie
+        # the first request (in run order) whose output differs from plain decoding's beyond a near
+        # tie, and the first near tie: where, the target's margin there and the tie bound
+        "first_mismatch": _first(wrong, name) if greedy else None,
+        "first_near_tie": _first(ties, name) if greedy else None,
         "draft_time_s": sum(e.get("draft_time_s") or 0.0 for e in ents),
         "target_time_s": sum(e.get("target_time_s") or 0.0 for e in ents),
         "errors": sum(1 for e in mine if e.get("error")),
@@ -232,6 +243,27 @@ def _step_time(ents: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     phases = {p: 1e3 * sum(e["phase_s"][p] for e in ents) / steps for p in ents[0]["phase_s"]}
     wall = sum(e["time_share_s"] for e in ents)
     return {"step_time_ms": phases, "step_time_accounted": sum(phases.values()) * steps / 1e3 / wall if wall else None}
+
+
+def _verdict(e: Mapping[str, Any]) -> str | None:
+    """A compared entry's verdict (``equal``, ``near_tie``, ``mismatch``); None: not compared. A
+    record from before verdicts (``first_mismatch`` a bare position, or unjudged) differs: mismatch."""
+    if e.get("equal_to_plain") is None:
+        return None
+    if e["equal_to_plain"]:
+        return EQUAL
+    fm = e.get("first_mismatch")
+    return fm.get("class", MISMATCH) if isinstance(fm, Mapping) else MISMATCH
+
+
+def _first(records: Sequence[Mapping[str, Any]], name: str) -> dict[str, Any] | None:
+    """``{id, position, margin, bound}`` of the first of ``records``' ``name`` differences; None: none."""
+    if not records:
+        return None
+    r = records[0]
+    fm = r["methods"][name].get("first_mismatch")
+    fm = fm if isinstance(fm, Mapping) else {"position": fm}
+    return {"id": r["id"], **{k: fm.get(k) for k in ("position", "margin", "bound")}}
 
 
 def _all_equal(n_equal: int, n_compared: int, n_requests: int) -> bool | None:

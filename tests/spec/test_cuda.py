@@ -31,6 +31,6 @@ def test_cuda_greedy_matches_cpu_plain(tiny_llama, method: str) -> None:
                                     engine_config=ec).generate(prompts, sp)]
     mc = {"plain": None, "draft_model": DraftModelConfig(path=str(draft.path), num_speculative_tokens=3),
           "ngram": NgramConfig(num_speculative_tokens=3)}[method]
-    rt = RuntimeConfig(max_batch_size=3, max_seq_len=64, device="cuda", dtype="float32")
+    rt = RuntimeConfig(max_batch_size=3, max_seq_len=64, device="cuda", dtype="float32", tf32=False)
     out = [o.token_ids for o in LLM(target.path, method=mc, runtime=rt, engine_config=ec).generate(prompts, sp)]
     assert out == ref

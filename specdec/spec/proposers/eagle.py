@@ -269,7 +269,7 @@ class EagleProposer(Proposer):
         target, rt = deps.target, deps.runtime
         tcfg = target.config
         self.vocab_size = tcfg.vocab_size
-        dtype = getattr(torch, rt.dtype) if rt.dtype else None
+        dtype = rt.torch_dtype
         loaded = load_decoder(config.path, role=Role.DRAFT_HEAD, dtype=dtype, device=rt.device,
                               check=lambda c: check_head_fits(c, tcfg, repr(config.path)))
         head: EagleHead = loaded.module  # type: ignore[assignment]

@@ -124,7 +124,7 @@ class MedusaProposer(Proposer):
         target, rt = deps.target, deps.runtime
         built = target.build_module()  # the target module the step calls: borrow its lm_head
         # The heads compute in the target's dtype (they read its hidden states, may share its lm_head).
-        dtype = getattr(torch, rt.dtype) if rt.dtype else built.lm_head.weight.dtype
+        dtype = rt.torch_dtype or built.lm_head.weight.dtype
         heads = load_medusa(config.path, target=target.config, dtype=dtype, device=rt.device)
         heads.attach_target(built.lm_head)
         pack_for_runtime(heads, rt)
