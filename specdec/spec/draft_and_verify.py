@@ -6,7 +6,9 @@ reads the result; docs/architecture.md)::
     drafts       -> tree tokens [B, γ] (q [B, γ, V]): drafted now, or read by slot
                     from the store, written into the request's placeholder rows
     target       -> logits (+ hidden states) of the last γ+1 rows of each request
-    verify       -> tokens [B, γ+1], num_accepted [B], fault [B] (spec/verify.py)
+    verify       -> tokens [B, γ+1], num_accepted [B], fault [B] (spec/verify.py); a greedy
+                    chain: the fault found on the host, and drafted before the step, its
+                    acceptance too (StepOutput.greedy_rows, verify.accept_greedy_chain)
     draft_after  -> (a drafter that drafts after verification) the next step's
                     drafts, from this forward's hidden states, into the store
 
@@ -30,7 +32,7 @@ from specdec.core.backend import backend_of
 from specdec.core.inputs import DecoderInputs
 from specdec.core.pipeline_model import compile_function, compile_method
 from specdec.core.state_store import RequestStateStore
-from specdec.sampling import SamplingTensors, probs_from_logits
+from specdec.sampling import SamplingTensors, finite_rows, probs_from_logits
 from specdec.spec.metrics import PhaseTimes
 from specdec.spec.proposers.base import DraftBatch, Drafter, DraftTree, TargetStep
 from specdec.spec.tree import (
@@ -41,15 +43,23 @@ from specdec.spec.tree import (
     verify_tree_greedy,
     verify_tree_sampled,
 )
-from specdec.spec.verify import chain_fault, tree_fault, verify_greedy, verify_sampled
+from specdec.spec.verify import chain_fault, greedy_chain_readout, tree_fault, verify_greedy, verify_sampled
 
 
 @dataclass
 class StepOutput:
-    tokens: torch.Tensor  # [B, γ+1] accepted drafts then the recovered/bonus token; -1 past it (tree: [B, D+1])
-    num_accepted: torch.Tensor  # [B]
-    fault: torch.Tensor  # [B] -1, or the first non-finite number verification used (verify.describe_fault)
+    """The step's verdict on the device: ``tokens``, ``num_accepted`` and ``fault``, or (a
+    greedy chain drafted before the step: nothing on the device waits for the verdict)
+    only ``greedy_rows``, from which the host takes the same (verify.accept_greedy_chain)."""
+
+    tokens: torch.Tensor | None = None  # [B, γ+1] accepted drafts then the recovered/bonus token; -1 past it (tree: [B, D+1])
+    num_accepted: torch.Tensor | None = None  # [B]
+    fault: torch.Tensor | None = None  # [B] -1, or the first non-finite number verification used (verify.describe_fault)
     depth: torch.Tensor | None = None  # [B] a tree step: the depth of each request's tree (None: chains)
+    greedy_rows: torch.Tensor | None = None  # [B, 3γ+2] verify.greedy_chain_readout (then the three above are None)
+    # [B, γ+1] a greedy chain's logits rows finite (1) or not, in place of ``fault`` (the host
+    # takes chain_fault's code from it: verify.greedy_fault)
+    finite: torch.Tensor | None = None
 
 
 def _verify_sampled_chain(logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -158,12 +168,20 @@ class DraftAndVerify(nn.Module):
         t = self.times.lap("target_forward", t)
         b = num_draft.shape[0]
         logits = target_out.logits.view(b, -1, target_out.logits.shape[-1])  # [B, γ+1, V]
-        path = depth = None
+        path = depth = finite = None
         if branching:
             assert tree is not None
             out, acc, path, depth = self._verify_tree(target_inputs, tree, nodes, node_depths, logits, sampling,
                                                       positions)
             fault = tree_fault(logits, draft_probs, path, acc)
+        elif (not recheck and sampling.all_greedy and draft_probs is None
+              and self.verify_greedy_chain is _verify_greedy_chain):  # (eager: no graph to keep whole)
+            if not self.drafts_after_verify:
+                self.times.lap("verify", t)  # (the host verifies: pipeline._commit)
+                return StepOutput(greedy_rows=greedy_chain_readout(logits, draft_tokens))
+            out, acc = verify_greedy(draft_tokens=draft_tokens, target_logits=logits,
+                                     num_draft=num_draft if ragged else None)
+            fault, finite = None, finite_rows(logits).long()  # (the host finds the fault: pipeline._commit)
         else:
             out, acc, fault = self._verify_chain(logits, chain, target_inputs, recheck)
         t = self.times.lap("verify", t)
@@ -172,7 +190,7 @@ class DraftAndVerify(nn.Module):
             self._draft_after(target_inputs, target_out, logits.shape[1], out, acc, path, slots, next_gamma,
                               sampling, draft_host)
             self._draft_laps(t)
-        return StepOutput(tokens=out, num_accepted=acc, fault=fault, depth=depth)
+        return StepOutput(tokens=out, num_accepted=acc, fault=fault, depth=depth, finite=finite)
 
     # -- phases ------------------------------------------------------------------------
     def _place_drafts(self, target_inputs: DecoderInputs, draft_index: torch.Tensor | None, draft: DraftBatch | None,

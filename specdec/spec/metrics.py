@@ -188,6 +188,7 @@ class RunStats:
     target_time_s: float = 0.0  # host clock in the target forward
     phase_s: dict[str, float] = field(default_factory=dict)  # PhaseTimes: seconds per step phase, summed
     spec_steps: int = 0  # decode steps (speculative steps without prompt rows): the phases' step count
+    host_syncs: int = 0  # device-to-host reads of the draft-and-verify steps (one a step)
 
 
 def _pad(x: list[int], n: int) -> list[int]:

@@ -10,8 +10,14 @@ docs/architecture.md)::
     pack     target.prepare -> DecoderInputs with each request's draft rows, sampling tensors
     device   DraftAndVerify (spec/draft_and_verify.py), one module call: drafts, target
              forward, verify/accept, and the next step's drafts (draft-after)
-    commit   the one host sync (tokens, accepted, fault); roll both KV caches back past
-             rejected drafts, hand the new tokens to the engine
+    commit   the one host sync (tokens, accepted, fault; a greedy chain drafted before the
+             step: the target's argmax, the drafts and which rows were finite, verified on
+             the host); roll both KV caches back past rejected drafts, hand the new tokens
+             to the engine
+
+Every device-to-host read of a step goes through :meth:`SpecDecodePipelineModel._read`,
+which counts them (``RunStats.host_syncs``): one per step (tests/spec/test_host_syncs.py).
+A step of one request on a CPU packs into reused buffers (spec/step_buffers.py).
 
 The draft and target batch processors share one :class:`RequestStateStore`
 (sampling parameters and seed, drafts waiting for the next step, the proposer's
@@ -35,7 +41,8 @@ from specdec.spec.draft_and_verify import DraftAndVerify, StepOutput
 from specdec.spec.gamma import AdaptiveGamma, GammaPolicyConfig
 from specdec.spec.metrics import RunStats, SpecCounts
 from specdec.spec.proposers.base import DraftBatch, Proposer
-from specdec.spec.verify import describe_fault
+from specdec.spec.step_buffers import OneRequestBuffers, serves
+from specdec.spec.verify import accept_greedy_chain, describe_fault, greedy_fault
 
 __all__ = ["DraftAndVerify", "SpecConfig", "SpecDecodePipelineModel", "StepOutput", "state_specs"]
 
@@ -122,6 +129,11 @@ class SpecDecodePipelineModel:
         self.counts: dict[int, tuple[str, SpecCounts]] = {}  # each request's figures since reset_stats
         self.num_target_forwards = 0
         self.num_spec_steps = 0  # _spec_step calls (the step-time breakdown's steps)
+        self.num_host_syncs = 0  # device-to-host reads of the draft-and-verify steps (_read)
+        # A one-request step's target packing, in reused buffers where they serve (CPU, eager).
+        rt = target.runtime
+        self._one = (OneRequestBuffers(target.caches[0], max_seq_len + config.num_speculative_tokens + 1)
+                     if serves(self.device, rt.compile, rt.data_parallel_degree) else None)
         # Drafts waiting in the state store per request (a drafter that drafts after
         # verification): 0 until its first step, and again after a preemption.
         self._ready: dict[int, int] = {}
@@ -158,12 +170,13 @@ class SpecDecodePipelineModel:
         return RunStats(counts=total, per_request=per,
                         target_forwards=self.num_target_forwards,
                         draft_time_s=ph["draft_catch_up"] + ph["draft_steps"], target_time_s=ph["target_forward"],
-                        phase_s=ph, spec_steps=self.num_spec_steps)
+                        phase_s=ph, spec_steps=self.num_spec_steps, host_syncs=self.num_host_syncs)
 
     def reset_stats(self) -> None:
         self.counts = {}
         self.num_target_forwards = 0
         self.num_spec_steps = 0
+        self.num_host_syncs = 0
         self.module.times.reset()
 
     # -- engine protocol -------------------------------------------------------------
@@ -335,14 +348,26 @@ class SpecDecodePipelineModel:
         elif chunks:
             self._prefill_chunks(chunks)
             t = time.perf_counter()
+        one = self._one if len(fed) == 1 and unprocessed[0] == 1 else None  # (a decode step)
+        look = [0] * len(fed)
         if gamma and after:
-            gammas_fed = gammas + [0] * (len(fed) - len(batch))
-            draft = DraftBatch(gamma=gamma, num_draft=torch.tensor(gammas_fed, device=self.device),
-                               first_position=torch.tensor(lens, device=self.device))
+            look = gammas + [0] * (len(fed) - len(batch))
+            if one is not None:
+                draft = DraftBatch(gamma=gamma, num_draft=one.small("num_draft", look, (1,)),
+                                   first_position=one.small("first_position", lens, (1,)))
+            else:
+                draft = DraftBatch(gamma=gamma, num_draft=torch.tensor(look, device=self.device),
+                                   first_position=torch.tensor(lens, device=self.device))
+        elif gamma:  # (a proposer's batch carries its drafts' counts on the host, or they are read)
+            assert draft is not None
+            host = getattr(draft, "num_draft_host", None)
+            look = list(host) if host is not None else self._read(draft.num_draft)
         num_draft = draft.num_draft if draft is not None else torch.zeros(len(fed), dtype=torch.long, device=self.device)
-        look = num_draft.tolist() if gamma else [0] * len(fed)
         # Each request verifies only its own drafts (no placeholder rows up to the step's γ).
-        packed = self.target.prepare(fed, return_n_logits=gamma + 1, lookahead=look, num_tokens=num_tokens)
+        if one is not None:
+            packed = one.pack(fed[0], 1, lookahead=look[0], return_n_logits=gamma + 1, slot=fed[0].slot)
+        else:
+            packed = self.target.prepare(fed, return_n_logits=gamma + 1, lookahead=look, num_tokens=num_tokens)
         inputs = packed.inputs
         inputs.capture_layers = self.spec.target_layers
         draft_host = None
@@ -367,17 +392,33 @@ class SpecDecodePipelineModel:
         """The step's one host sync, then per request: its failure (a fault) or its new
         tokens; its counts and adaptive γ's; both KV caches rolled back past rejected drafts."""
         times, after, a = self.module.times, self.spec.drafts_after_verify, self.adaptive
-        cols = [out.tokens, out.num_accepted.unsqueeze(1), out.fault.unsqueeze(1)]  # each row: tokens, k, fault
+        host_verified = out.greedy_rows is not None
         tree = out.depth is not None
-        if tree:
-            cols.append(out.depth.unsqueeze(1))
-        t = time.perf_counter()
-        rows = torch.cat(cols, 1).tolist()
+        if host_verified:
+            t = time.perf_counter()
+            rows = self._read(out.greedy_rows)
+        else:
+            assert out.tokens is not None and out.num_accepted is not None
+            # Each row: tokens, k, then the fault, or each logits row finite (verify.greedy_fault).
+            last = out.finite if out.finite is not None else out.fault.unsqueeze(1)
+            cols = [out.tokens, out.num_accepted.unsqueeze(1), last]
+            if tree:
+                cols.append(out.depth.unsqueeze(1))
+            t = time.perf_counter()
+            rows = self._read(torch.cat(cols, 1))
         t = times.lap("sync", t)
         new: list[list[int] | RequestFailure] = []
         for c, row, n, ln, g in zip(batch, rows, look, lens, gammas):
-            depth = row.pop() if tree else None
-            toks, k, fault = row[:-2], row[-2], row[-1]
+            depth = None
+            if host_verified:
+                toks, k, fault = accept_greedy_chain(row, gamma, n)
+            elif out.finite is not None:
+                w = len(row) // 2  # γ+1 tokens, k, γ+1 flags
+                toks, k = row[:w], row[w]
+                fault = greedy_fault(row[w + 1:], k)
+            else:
+                depth = row.pop() if tree else None
+                toks, k, fault = row[:-2], row[-2], row[-1]
             if fault >= 0:  # this request only: the engine ends it and frees what it holds
                 what, at = describe_fault(fault)
                 new.append(non_finite(c, what, ln + at))
@@ -396,6 +437,12 @@ class SpecDecodePipelineModel:
                 self._ready[c.key] = self.config.num_speculative_tokens
         times.lap("commit", t)
         return new
+
+    def _read(self, t: torch.Tensor) -> list[Any]:
+        """``t.tolist()``: every device-to-host read of a speculative step comes through here,
+        counted (``RunStats.host_syncs``; one per step)."""
+        self.num_host_syncs += 1
+        return t.tolist()
 
     def _plain_step(self, batch: list[TextContext], chunks: list[tuple[TextContext, int]], unprocessed: list[int],
                     t: float) -> list[list[int] | RequestFailure]:

@@ -163,3 +163,34 @@ def tree_fault(logits: torch.Tensor, draft_probs: torch.Tensor | None, path: tor
         code = torch.cat([code, torch.where(acc & bad_q, 2 * row[: d1 - 1] + 1, 2 * d1)], 1)
     first = code.amin(1)
     return torch.where(first < 2 * d1, first, -1)
+
+
+# -- a greedy chain verified on the host: the step's one read carries what it needs ------
+#
+# A greedy chain drafted before the step (nothing on the device waits for the verdict)
+# needs three small rows per request, not the dozen small ops of verify_greedy and
+# chain_fault: the target's argmax at each of its γ+1 rows, the γ drafts, and which rows
+# were finite. The host then takes exactly what those two functions give.
+
+
+def greedy_chain_readout(logits: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
+    """``[B, 3γ + 2]`` int64 rows for :func:`accept_greedy_chain`: the argmax of each of the
+    target's ``logits`` rows [B, γ+1, V], the drafts [B, γ], each logits row finite (1) or not."""
+    return torch.cat([greedy_tokens(logits), draft_tokens, finite_rows(logits).long()], 1)
+
+
+def accept_greedy_chain(row: list[int], gamma: int, num_draft: int) -> tuple[list[int], int, int]:
+    """One request's row of :func:`greedy_chain_readout` (``gamma`` the step's γ, ``num_draft``
+    its own) -> (emitted tokens, num_accepted, fault code): :func:`verify_greedy`'s accepted
+    drafts and bonus, :func:`chain_fault`'s code (no draft probabilities)."""
+    n = gamma + 1
+    k = 0
+    while k < num_draft and row[n + k] == row[k]:  # an accepted draft is the target's argmax there
+        k += 1
+    return row[: k + 1], k, greedy_fault(row[n + gamma:], k)
+
+
+def greedy_fault(finite: list[int], num_accepted: int) -> int:
+    """:func:`chain_fault`'s code of a chain without draft probabilities, on the host: the first
+    used row (``<= num_accepted``) whose logits were not finite (``finite[i]`` 0), else -1."""
+    return next((2 * i for i in range(num_accepted + 1) if not finite[i]), -1)

@@ -52,6 +52,7 @@ from specdec.core.kv_cache import OutOfBlocks, block_table_array
 from specdec.core.pipeline_model import DecoderPipelineModel, compile_method, registered_pipeline_model
 from specdec.sampling import SamplingTensors, draw_drafts
 from specdec.spec.forward_time import bare_batch, forward_time, time_calls
+from specdec.spec.step_buffers import OneRequestBuffers, serves
 from specdec.spec.tree import (
     StaticShape,
     StaticShapes,
@@ -93,6 +94,7 @@ class DraftModelBatch(DraftBatch):
     # A tree step: draft KV slot of each tree row [B, R] (rows after the context;
     # gather_slots then covers the context only, S = max_len).
     tree_slots: torch.Tensor | None = None
+    num_draft_host: list[int] | None = None  # num_draft on the host (the step verifies that many rows each)
 
 
 class DraftModelDrafter(Drafter):
@@ -262,6 +264,14 @@ class DraftModelProposer(Proposer):
             check_tree_fits(config.key("tree"), self.tree, config.num_speculative_tokens, vocab,
                             f"the draft's vocabulary at {config.path!r}")
         self.drafter = DraftModelDrafter(self.pipeline, self.tree, config.num_speculative_tokens)
+        self._one = self._step_buffers()
+
+    def _step_buffers(self) -> OneRequestBuffers | None:
+        """A one-request chain step's packing in reused buffers, where they serve (spec/step_buffers.py)."""
+        p = self.pipeline
+        if self.tree is not None or not serves(p.device, p.runtime.compile, p.runtime.data_parallel_degree):
+            return None
+        return OneRequestBuffers(p.caches[0], p.runtime.max_seq_len + self.config.num_speculative_tokens + 1)
 
     def drafter_spec(self) -> DrafterSpec:
         """Its draft decoder (costs, catch-up derived from it); a tree: γ is its node budget,
@@ -302,6 +312,7 @@ class DraftModelProposer(Proposer):
             gather_slots=torch.from_numpy(np.ascontiguousarray(gather[:, : int(lens.max())])),
             max_len=int(lens.max()),
             tree_slots=torch.from_numpy(np.ascontiguousarray(tree_slots)),
+            num_draft_host=num_draft,
         ), self.pipeline.device)
 
     def prepare(self, batch: list[TextContext], gamma: int, num_draft: list[int]) -> DraftModelBatch:
@@ -310,7 +321,34 @@ class DraftModelProposer(Proposer):
         if self.drafter._fused is not None and gamma == self.config.num_speculative_tokens > 1 \
                 and (len(batch) > 1) not in self._compiled:
             self._precompile(len(batch) > 1)
-        return self._pack_chain(batch, self.pipeline.prepare(batch).inputs, gamma, num_draft)
+        one = self._one if len(batch) == 1 else None
+        if one is not None:
+            c = batch[0]
+            table = c.kv[self.cache_name]
+            unseen, steps = len(c.tokens) - table.num_tokens, max(gamma - 1, 0)
+            # A decode step's catch-up, every draft slot in the blocks the request holds.
+            if 1 <= unseen <= gamma + 1 and len(table.blocks) * one.block_size >= len(c.tokens) + steps:
+                return self._pack_chain_one(c, one.pack(c, unseen).inputs, gamma, num_draft, one)
+        batch_ = self._pack_chain(batch, self.pipeline.prepare(batch).inputs, gamma, num_draft)
+        batch_.num_draft_host = num_draft
+        return batch_
+
+    def _pack_chain_one(self, ctx: TextContext, catch_up: DecoderInputs, gamma: int, num_draft: list[int],
+                        one: OneRequestBuffers) -> DraftModelBatch:
+        """:meth:`_pack_chain` of one request in the reused buffers ``one``: the same values."""
+        steps = max(gamma - 1, 0)
+        n = len(ctx.tokens)
+        table = ctx.kv[self.cache_name]
+        gather = one.gather(table.blocks, n + steps)  # [1, S] (the catch-up's slots, then the steps')
+        pos = np.arange(n, n + steps)
+        table.num_tokens += steps
+        return DraftModelBatch(
+            gamma=gamma, num_draft=one.small("num_draft", num_draft, (1,)),
+            first_position=one.small("first_position", [n], (1,)), catch_up=catch_up,
+            step_positions=one.small("step_positions", pos, (steps, 1)),
+            step_slots=one.small("step_slots", one.slots_at(pos), (steps, 1)),
+            gather_slots=gather, max_len=n, num_draft_host=num_draft,
+        )
 
     def _pack_chain(self, batch: list[TextContext], catch_up: DecoderInputs, gamma: int,
                     num_draft: list[int]) -> DraftModelBatch:

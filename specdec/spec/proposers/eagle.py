@@ -60,6 +60,7 @@ from specdec.core.registry import Role
 from specdec.models.eagle import EagleHead, check_head_fits
 from specdec.sampling import SamplingTensors, draw_drafts
 from specdec.spec.forward_time import time_calls
+from specdec.spec.step_buffers import OneRequestBuffers, serves
 from specdec.spec.tree import (
     StaticShape,
     StaticShapes,
@@ -141,6 +142,8 @@ class EagleDrafter(Drafter):
         # cost to save, and its calls would break a compiled graph: nothing compiled around it.
         self._native_chain = backend.head_chain if self.tree is None else None
         fuse_on = fuse_on if backend.compile_around else None
+        # A compiled head guards on its inputs' strides: it gets fresh contiguous copies (_fresh).
+        self._copy = _fresh if backend.kind == "compiled" else (lambda t: t)
         # ``fuse_on`` (compiled heads): a chain of the method's γ, greedy or sampled, runs
         # its γ - 1 one-token steps as one compiled graph, as a draft model's does (draft_model.py).
         self._fused = (compile_method(self, type(self)._chain_steps, fuse_on)
@@ -175,7 +178,7 @@ class EagleDrafter(Drafter):
             nxt = nxt.index_put((host.fix_rows,), host.fix_tokens)
         # (A tree step keeps the target's tree_mask, rope positions and q_pos (key indices).)
         catch = replace(inp, tokens=nxt, slot_mapping=host.slot_mapping,
-                        gather_slots=_fresh(host.gather_slots[:, : host.catch_keys]),
+                        gather_slots=self._copy(host.gather_slots[:, : host.catch_keys]),
                         logit_index=bonus_row, kv_cache=host.kv, capture_layers=(), all_hidden=False,
                         attention_groups=None)  # (the groups hold the target's slots)
         h, logits = self.head(catch, self.head.project(step.rows, step.aux_rows))  # [B, H], [B, V]
@@ -202,7 +205,7 @@ class EagleDrafter(Drafter):
         assert gather.shape[1] == host.catch_keys + max(gamma - 1, 0), "prepare_after packs γ - 1 draft positions"
         fused = self._fused is not None and gamma == self.max_gamma > 1
         if self._native_chain is not None and not fused and sampling.all_greedy and b == 1 and gamma > 1:
-            return DraftTree.chain(self._native_chain(logits, h, pos0, gamma - 1, _fresh(gather), host.kv), None)
+            return DraftTree.chain(self._native_chain(logits, h, pos0, gamma - 1, gather, host.kv), None)
         steps = self._fused if fused else self._chain_steps
         tokens, probs = steps(logits, h, pos0, _fresh(gather), host.kv, *host.rows, gamma,
                               None if sampling.all_greedy else sampling)
@@ -311,6 +314,9 @@ class EagleProposer(Proposer):
         self.target_cache = target.cache_name
         self.drafter = EagleDrafter(head, self.tree, max_gamma=g, fuse_on=self.device if rt.compile else None)
         self._index: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # A one-request chain step's packing in reused buffers, where they serve (spec/step_buffers.py).
+        self._one = (OneRequestBuffers(self.cache, self.max_positions)
+                     if self.tree is None and serves(rt.device, rt.compile, rt.data_parallel_degree) else None)
 
     def drafter_spec(self) -> DrafterSpec:
         """Drafts after verification from the target's features (every packed row, and the
@@ -362,6 +368,8 @@ class EagleProposer(Proposer):
         return self._index[b]
 
     def prepare_after(self, batch: list[TextContext], packed: PackedBatch, gamma: int) -> EagleStepInputs:
+        if self._one is not None and len(batch) == 1 and packed.lookahead[0]:  # a decode step (no prompt row to fix)
+            return self._prepare_one(batch[0], packed, gamma, self._one)
         ln = np.asarray([n + a for n, a in zip(packed.num_new, packed.lookahead)], dtype=np.int64)  # [B] rows fed
         tables = [self._table(c) for c in batch]
         # Row 0 of request r sits where the target's cache ended before this step
@@ -402,6 +410,19 @@ class EagleProposer(Proposer):
             fix_tokens=torch.tensor(fix_tokens, dtype=torch.long, device=dev) if fix_rows else None,
             rows=index, tree_slots=tree_slots, max_ctx=int(ctx_len.max()),
         )
+
+    def _prepare_one(self, ctx: TextContext, packed: PackedBatch, gamma: int,
+                     one: OneRequestBuffers) -> EagleStepInputs:
+        """:meth:`prepare_after` of one request's chain step in the reused buffers ``one``: the same values."""
+        ln = packed.num_new[0] + packed.lookahead[0]
+        ctx_len = ctx.kv[self.target_cache].num_tokens
+        table = self._table(ctx)
+        gather = one.gather(table.blocks, ctx_len + max(gamma, 1))  # [1, S]
+        slot_mapping = one.small("slot_mapping", one.slots_at(np.arange(ctx_len - ln, ctx_len)), (ln,))
+        table.num_tokens = ctx_len
+        return EagleStepInputs(kv=self.cache.tensors, slot_mapping=slot_mapping, gather_slots=gather,
+                               catch_keys=int(packed.inputs.gather_slots.shape[1]), fix_rows=None, fix_tokens=None,
+                               rows=self._rows(1), max_ctx=ctx_len)
 
     # -- cost ------------------------------------------------------------------------------
     def draft_forward_time(self, ctx_len: int, repeats: int = 10, *,

@@ -136,6 +136,7 @@ class LayerSkipProposer(DraftModelProposer):
         self._tree_base: dict[int, int] = {}
         self._compiled: set[bool] = set()
         self.drafter = DraftModelDrafter(self.pipeline, None, config.num_speculative_tokens)
+        self._one = self._step_buffers()  # (its draft slots always in the blocks held: _pack_chain's fix a no-op)
 
     # -- shared KV: the target's tables, under the draft's cache name for one step -------------
     def prepare(self, batch: list[TextContext], gamma: int, num_draft: list[int]) -> DraftModelBatch:

@@ -112,6 +112,7 @@ class NgramDraftBatch(DraftBatch):
     parents: torch.Tensor | None = None
     max_depth: int = 0
     max_children: int = 0
+    num_draft_host: list[int] | None = None  # num_draft on the host (the step verifies that many rows each)
 
 
 class NgramDrafter(Drafter):
@@ -237,6 +238,7 @@ class NgramProposer(Proposer):
         return move_tensors(NgramDraftBatch(
             gamma=gamma,
             num_draft=torch.tensor(found, dtype=torch.long),
+            num_draft_host=found,
             first_position=torch.tensor([len(c.tokens) for c in batch], dtype=torch.long),
             tokens=torch.tensor(rows, dtype=torch.long).view(b, gamma),
             **tree,
