@@ -274,7 +274,7 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
 
 
 def build_components(rc: RunConfig) -> Components:
-    methods = method_configs(rc.method)
+    methods = _target_heads(str(rc.target.path), method_configs(rc.method))
     _check_zoo_heads(str(rc.target.path), methods)
     return Components(
         target=str(rc.target.path),
@@ -286,6 +286,25 @@ def build_components(rc: RunConfig) -> Components:
     )
 
 
+def _target_heads(target: str, methods: dict[str, ProposerConfig]) -> dict[str, ProposerConfig]:
+    """A fetchable target (``target=smollm2``) drafts with its own shipped checkpoint where there is
+    one: a method left at the built-in target's (``specdec/zoo/code-eagle3``, its default) takes
+    ``specdec/zoo/<target>-<method>`` (``smollm2-eagle3``) instead."""
+    from specdec.zoo_fetch import MODELS
+
+    if target not in MODELS or Path(target).exists():
+        return methods
+    out = {}
+    for name, cfg in methods.items():
+        path = getattr(cfg, "path", None)
+        own = ZOO_DIR / f"{target}-{name.replace('_', '-')}"
+        if (path and Path(path).resolve().parent == ZOO_DIR.resolve() and Path(path).name.startswith("code-")
+                and (own / "model.safetensors").is_file()):
+            cfg = replace(cfg, path=str(own))  # type: ignore[type-var]
+        out[name] = cfg
+    return out
+
+
 def _check_zoo_heads(target: str, methods: dict[str, ProposerConfig]) -> None:
     """A shipped head (``specdec/zoo/code-eagle`` …) fits only the shipped target:
     with another target, say so before anything loads, and how to go on."""
@@ -293,7 +312,8 @@ def _check_zoo_heads(target: str, methods: dict[str, ProposerConfig]) -> None:
         return
     def shipped_head(cfg: ProposerConfig) -> bool:
         path = getattr(cfg, "path", None)
-        return not cfg.any_target and bool(path) and Path(path).resolve().parent == ZOO_DIR.resolve()
+        return (not cfg.any_target and bool(path) and Path(path).resolve().parent == ZOO_DIR.resolve()
+                and not Path(path).name.startswith(f"{target}-"))  # a fetchable target's own (smollm2-eagle3)
 
     for name, cfg in methods.items():
         if shipped_head(cfg):

@@ -200,6 +200,44 @@ def self_distillation_text(cfg: TrainAppConfig, target_dir: Path, train_ids: tor
     return tokens
 
 
+def chat_text(cfg: TrainAppConfig, target: Path, split: Any, run_dir: Path,
+              progress: Progress) -> tuple[list[tuple[list[int], list[int]]], list[tuple[list[int], list[int]]]]:
+    """``data.corpus=instructions``: (prompt ids, greedy answer ids) of the train and held-out requests
+    (:func:`specdec.train.data.chat_answers`, one engine run for both), made once per run dir:
+    a resumed run reads them back from ``generated.safetensors``."""
+    from specdec.train import data as D
+
+    g = cfg.data.generate
+    path = run_dir / GENERATED_FILE
+    texts = [t for _, t in split.train] + [t for _, t in split.held_out]
+    key = ["instructions", hashlib.sha256("\n".join(texts).encode()).hexdigest(), g.prompt_len, g.new_tokens,
+           sha256(target) if target.is_file() else str(target)]
+    tensors = None
+    if path.is_file():
+        tensors, meta = read_tensors(path, "self-distillation text")
+        if meta.get("key") != key or not {"tokens", "prompt_lens", "answer_lens"} <= set(tensors):
+            tensors = None
+        else:
+            progress.line(f"self-distillation text: {len(texts)} requests and answers from {path}")
+    if tensors is None:
+        t0 = time.perf_counter()
+        with progress.phase(f"self-distillation text: {len(texts)} requests x up to {g.new_tokens} greedy tokens"):
+            pairs = D.chat_answers(target, texts, g)
+        tensors = {"tokens": torch.tensor([t for p, a in pairs for t in (*p, *a)], dtype=torch.long),
+                   "prompt_lens": torch.tensor([len(p) for p, _ in pairs]),
+                   "answer_lens": torch.tensor([len(a) for _, a in pairs])}
+        write_tensors(path, tensors, {"key": key})
+        progress.line(f"self-distillation text: {int(tensors['answer_lens'].sum()):,} answer tokens in "
+                      f"{fmt_duration(time.perf_counter() - t0)}")
+    pairs, at = [], 0
+    for p, a in zip(tensors["prompt_lens"].tolist(), tensors["answer_lens"].tolist()):
+        seq = tensors["tokens"][at : at + p + a].tolist()
+        pairs.append((seq[:p], seq[p:]))
+        at += p + a
+    n = len(split.train)
+    return pairs[:n], pairs[n:]
+
+
 def make_recipe(cfg: TrainAppConfig, target: Any, train_stream: torch.Tensor) -> Any:
     if cfg.train.recipe == "draft_model":
         from specdec.train.draft import DraftRecipe
@@ -271,23 +309,41 @@ def train(cfg: TrainAppConfig, run_dir: str | Path) -> dict[str, Any]:
     rc = cfg.train
 
     # --- target, corpus, streams ------------------------------------------------------------
-    target_dir = Path(cfg.target.path or "")
-    if not (target_dir / "config.json").is_file():
-        raise TrainError(f"target.path={cfg.target.path!r} is not a checkpoint directory (no config.json)")
+    from specdec.core.gguf import is_gguf
+    from specdec.zoo_fetch import resolve_target
+
+    target_dir = Path(resolve_target(cfg.target.path or ""))  # a fetchable name (target=smollm2): its cached file
+    if not (is_gguf(target_dir) or (target_dir / "config.json").is_file()):
+        raise TrainError(f"target.path={cfg.target.path!r} is neither a checkpoint directory (no config.json) "
+                         f"nor a .gguf file")
+    chat = cfg.data.corpus == "instructions"
+    if chat and rc.recipe == "medusa":
+        raise TrainError("data.corpus=instructions trains eagle, eagle3 or draft_model recipes (medusa's static-tree "
+                         "figures need held-out rows of one length)")
     progress.line(f"{rc.recipe}: loading target {target_dir}")
     target = load_decoder(target_dir, dtype=torch.float32).module.eval()
     tok = load_tokenizer(target_dir, vocab_size=target.config.vocab_size)
     t0 = time.perf_counter()
-    split = D.load_corpus(cfg.data)
     sep = D.document_separator(tok, target.config.bos_token_id, target.config.eos_token_id)
-    train_ids = D.encode(tok, split.train, sep)
-    held_ids = D.encode(tok, split.held_out, sep)
-    progress.line(f"corpus: {len(split.train)} train / {len(split.held_out)} held-out files, "
-                  f"{train_ids.numel():,} / {held_ids.numel():,} tokens ({fmt_duration(time.perf_counter() - t0)})")
     generated = None
-    if cfg.data.generate.prompts:
+    held_pairs = None
+    if chat:  # a chat target's own answers to generated requests: the training text
+        split = D.instruction_split(cfg.data, cfg.seed)
+        train_pairs, held_pairs = chat_text(cfg, target_dir, split, run_dir, progress)
+        train_ids, held_ids = D.chat_stream(train_pairs, sep), D.chat_stream(held_pairs, sep)
+        generated = train_ids
+        progress.line(f"requests: {len(split.train)} train / {len(split.held_out)} held out, "
+                      f"{train_ids.numel():,} / {held_ids.numel():,} tokens with their answers")
+    else:
+        split = D.load_corpus(cfg.data)
+        train_ids = D.encode(tok, split.train, sep)
+        held_ids = D.encode(tok, split.held_out, sep)
+        progress.line(f"corpus: {len(split.train)} train / {len(split.held_out)} held-out files, {train_ids.numel():,}"
+                      f" / {held_ids.numel():,} tokens ({fmt_duration(time.perf_counter() - t0)})")
+    if cfg.data.generate.prompts and not chat:
         generated = self_distillation_text(cfg, target_dir, train_ids, sep, run_dir, progress)
         train_ids = generated if cfg.data.generate.only else torch.cat([train_ids, generated])
+    weights = target_dir if is_gguf(target_dir) else target_dir / "model.safetensors"
 
     torch.manual_seed(cfg.seed)
     recipe = make_recipe(cfg, target, train_ids)
@@ -295,8 +351,7 @@ def train(cfg: TrainAppConfig, run_dir: str | Path) -> dict[str, Any]:
     module.train()
     opt = _optimizer(module, cfg)
     order = D.WindowOrder(train_ids.numel(), rc.seq_len, rc.batch_size, cfg.data.chunk_windows, cfg.seed)
-    key = json.dumps([str(target_dir.resolve()), sha256(target_dir / "model.safetensors")
-                      if (target_dir / "model.safetensors").is_file() else "", train_ids.numel(),
+    key = json.dumps([str(target_dir.resolve()), sha256(weights) if weights.is_file() else "", train_ids.numel(),
                       int(train_ids.sum()), rc.seq_len, list(recipe.capture), rc.precision])
     feats = D.TargetFeatures(target, recipe.capture, cache_dir=cfg.data.cache_dir,
                              chunk_windows=cfg.data.chunk_windows, key=key)
@@ -312,8 +367,12 @@ def train(cfg: TrainAppConfig, run_dir: str | Path) -> dict[str, Any]:
         progress.line(f"resumed at step {step}/{rc.steps} from {state_path}")
 
     with progress.phase("held-out set (target greedy continuations)"):
-        ev = D.eval_set(feats, held_ids, prompts=cfg.eval.prompts, prompt_len=cfg.eval.prompt_len,
-                        new_tokens=cfg.eval.new_tokens, loss_windows=cfg.eval.loss_windows, seq_len=rc.seq_len)
+        if held_pairs is not None:
+            ev = D.chat_eval_set(feats, held_pairs, held_ids, prompts=cfg.eval.prompts,
+                                 loss_windows=cfg.eval.loss_windows, seq_len=rc.seq_len, pad=sep)
+        else:
+            ev = D.eval_set(feats, held_ids, prompts=cfg.eval.prompts, prompt_len=cfg.eval.prompt_len,
+                            new_tokens=cfg.eval.new_tokens, loss_windows=cfg.eval.loss_windows, seq_len=rc.seq_len)
     comparison = None
     if cfg.eval.compare_draft:
         from specdec.train.draft import draft_model_tau
@@ -435,16 +494,22 @@ def train(cfg: TrainAppConfig, run_dir: str | Path) -> dict[str, Any]:
             else None,
             "config": plain,
             "seed": cfg.seed,
-            "target": {"path": str(target_dir), "config_sha256": sha256(target_dir / "config.json"),
+            "target": {"path": str(target_dir), "name": cfg.target.path,
+                       **({"gguf_sha256": sha256(target_dir)} if is_gguf(target_dir)
+                          else {"config_sha256": sha256(target_dir / "config.json")}),
                        "layers": target.config.num_hidden_layers, "hidden": target.config.hidden_size,
+                       "heads": target.config.num_attention_heads, "kv_heads": target.config.num_key_value_heads,
                        "vocab": target.config.vocab_size},
             "module": {**recipe.info, "params": sum(p.numel() for p in module.parameters())},
             "data": {**split.describe(), "train_tokens": int(train_ids.numel()), "held_out_tokens": int(held_ids.numel()),
                      "generated": None if generated is None else {
-                         "tokens": int(generated.numel()), "only": cfg.data.generate.only,
-                         "rule": f"{cfg.data.generate.prompts} windows of {cfg.data.generate.prompt_len} train-stream "
-                                 f"tokens (starts evenly spaced), each continued greedily by the target for up to "
-                                 f"{cfg.data.generate.new_tokens} tokens; separator, window, continuation"},
+                         "tokens": int(generated.numel()), "only": cfg.data.generate.only or chat,
+                         "rule": (f"each train request rendered through the target's chat template (one user turn, "
+                                  f"generation prompt) and answered greedily by the target, up to "
+                                  f"{cfg.data.generate.new_tokens} tokens or EOS; separator, prompt, answer") if chat
+                         else (f"{cfg.data.generate.prompts} windows of {cfg.data.generate.prompt_len} train-stream "
+                               f"tokens (starts evenly spaced), each continued greedily by the target for up to "
+                               f"{cfg.data.generate.new_tokens} tokens; separator, window, continuation")},
                      "document_format": f"token {sep} before each document, documents concatenated in order",
                      "windows": {"train_windows": order.num_windows, "seq_len": rc.seq_len,
                                  "batches_per_epoch": order.batches_per_epoch,

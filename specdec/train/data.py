@@ -13,6 +13,9 @@
   (``data.cache_dir``);
 - :func:`generated_documents` — self-distillation text (``data.generate``): train
   windows continued greedily by the target through the engine;
+- :func:`chat_answers` — for a chat target (``data.corpus=instructions``): generated
+  user requests (:mod:`specdec.train.instructions`) rendered through its chat template
+  and answered greedily by it; the answers are the training text;
 - :func:`eval_set` — held-out prompts with the target's greedy continuations,
   on which a recipe simulates greedy chain speculation (τ).
 """
@@ -38,7 +41,8 @@ class GenerateConfig:
     train-stream windows, added to the train stream (or, ``only``, in its place). A head
     then trains on the text it will draft for at run time: the target's outputs."""
 
-    prompts: int = 0  # windows continued (0: none; evenly spaced over the train stream)
+    prompts: int = 0  # windows continued (0: none; evenly spaced over the train stream); data.corpus=instructions:
+    # the user requests made (train and held out), answered up to new_tokens, rendered to <= prompt_len tokens
     prompt_len: int = 128  # tokens per prompt window
     new_tokens: int = 128  # greedy tokens per prompt (fewer where the target emits EOS)
     batch_size: int = 32  # requests the engine runs at once
@@ -55,7 +59,9 @@ class GenerateConfig:
 class DataConfig:
     """``data.*``: the corpus, its split, and where target features come from."""
 
-    corpus: str = "stdlib"  # "stdlib" (the running Python's standard library), a directory, or a text file
+    corpus: str = "stdlib"  # "stdlib" (the running Python's standard library), a directory, a text file, or
+    # "instructions": data.generate.prompts generated user requests, rendered through the target's chat template
+    # and answered greedily by it (a chat target's self-distillation text; the held-out requests give τ)
     pattern: str = "*.py"  # files of a directory corpus (recursive glob; comma-separated patterns)
     held_out_modulus: int = 20  # 1 file in N held out, by sha256 of its relative path
     max_files: int | None = None  # cap on train files (quick runs; held out: max(1, max_files // 10))
@@ -121,6 +127,55 @@ def load_corpus(cfg: DataConfig) -> Split:
         train, held = train[: cfg.max_files], held[: max(1, cfg.max_files // 10)]
         rule += f"; first {cfg.max_files} train / {max(1, cfg.max_files // 10)} held-out files"
     return Split(train, held, rule, str(path.resolve()))
+
+
+def instruction_split(cfg: DataConfig, seed: int) -> Split:
+    """``data.corpus=instructions``: ``data.generate.prompts`` user requests (deterministic from
+    ``seed``), held out by the zoo's rule (sha256 of the text)."""
+    from specdec.train.instructions import instructions
+
+    n, modulus = cfg.generate.prompts, cfg.held_out_modulus
+    if n < 2:
+        raise ValueError(f"data.corpus=instructions needs data.generate.prompts >= 2 (the requests made), got {n}")
+    docs = [(f"request-{i}", t) for i, t in enumerate(instructions(n, seed))]
+    held = [d for d in docs if stdlib_corpus.is_held_out(d[1], modulus)] or docs[-1:]
+    train = [d for d in docs if d not in held]
+    rule = (f"{n} user requests from specdec/train/instructions.py (task templates x topics, seed {seed}); "
+            f"held out when int(sha256(text)[:8], 16) % {modulus} == 0 (none: the last)")
+    return Split(train, held, rule, "specdec.train.instructions")
+
+
+def chat_answers(target: str | Path, texts: Sequence[str], cfg: GenerateConfig) -> list[tuple[list[int], list[int]]]:
+    """Each request of ``texts`` rendered through the target's chat template as one user turn
+    (with the generation prompt) and answered greedily by the target through the engine (up to
+    ``cfg.new_tokens`` tokens, ending at EOS): ``(prompt ids, answer ids)`` per request, in order.
+    Deterministic, as :func:`generated_documents`."""
+    from specdec.api import LLM
+    from specdec.core.context import SamplingParams
+    from specdec.data.chat import load_chat_template
+
+    template = load_chat_template(target)
+    llm = LLM(target, max_batch_size=cfg.batch_size, max_seq_len=cfg.prompt_len + cfg.new_tokens)
+    prompts = []
+    for i, t in enumerate(texts):
+        ids = llm.tokenizer.encode(template.render([{"role": "user", "content": t}], add_generation_prompt=True),
+                                   add_special_tokens=False).ids
+        if len(ids) > cfg.prompt_len:
+            raise ValueError(f"data.generate.prompt_len={cfg.prompt_len}: request {i} renders to {len(ids)} tokens")
+        prompts.append(list(ids))
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=cfg.new_tokens))
+    for i, o in enumerate(outs):
+        if o.error:
+            raise RuntimeError(f"data.corpus=instructions: request {i} failed: {o.error}")
+    return [(p, list(o.token_ids)) for p, o in zip(prompts, outs)]
+
+
+def chat_stream(pairs: Sequence[tuple[list[int], list[int]]], separator: int) -> torch.Tensor:
+    """One token stream [N]: ``separator``, the rendered prompt, the answer, for each pair in order."""
+    out: list[int] = []
+    for p, a in pairs:
+        out += [separator, *p, *a]
+    return torch.tensor(out, dtype=torch.long)
 
 
 def document_separator(tok: Any, bos: int | None, eos: Sequence[int]) -> int:
@@ -346,9 +401,22 @@ class EvalSet:
     prompt_len: int
     features: Features
     loss_windows: Features | None
+    # Rows of different lengths (chat requests and their answers, right-padded): (prompt_len, length)
+    # per row; None: every row is prompt_len + its continuation, the whole row.
+    spans: list[tuple[int, int]] | None = None
+
+    def rows(self) -> list[tuple[int, int]]:
+        """``(prompt_len, length)`` of each row: the τ simulation reads ``sequences[n, :length]``."""
+        return self.spans or [(self.prompt_len, int(self.sequences.shape[1]))] * int(self.sequences.shape[0])
 
     def describe(self) -> dict[str, Any]:
         n, length = self.sequences.shape
+        if self.spans is not None:
+            return {"prompts": n, "prompt_tokens": sum(p for p, _ in self.spans),
+                    "new_tokens": sum(n_ - p for p, n_ in self.spans),
+                    "rule": "the held-out requests rendered through the chat template, each with the target's "
+                            "greedy answer (up to data.generate.new_tokens, ending at EOS)",
+                    "loss_windows": 0 if self.loss_windows is None else int(self.loss_windows.tokens.shape[0])}
         return {"prompts": n, "prompt_tokens": self.prompt_len, "new_tokens": length - self.prompt_len,
                 "rule": "prompts start at evenly spaced offsets of the held-out stream; each continued "
                         "greedily by the target (no EOS stop)",
@@ -381,6 +449,24 @@ def eval_set(feats: TargetFeatures, held: torch.Tensor, *, prompts: int, prompt_
         w = torch.stack([held[i * seq_len : i * seq_len + seq_len + 1] for i in range(k)])
         lw = feats.run(w)
     return EvalSet(seqs, prompt_len, feats.run(seqs), lw)
+
+
+def chat_eval_set(feats: TargetFeatures, pairs: Sequence[tuple[list[int], list[int]]], held: torch.Tensor, *,
+                  prompts: int, loss_windows: int, seq_len: int, pad: int) -> EvalSet:
+    """The held-out set of a chat target: the first ``prompts`` held-out (request, greedy answer)
+    pairs, right-padded with ``pad`` (causal features: padding changes no real row's); the held-out
+    loss on windows of the held-out stream ``held``."""
+    pairs = list(pairs)[:prompts]
+    width = max(len(p) + len(a) for p, a in pairs)
+    seqs = torch.full((len(pairs), width), pad, dtype=torch.long)
+    for n, (p, a) in enumerate(pairs):
+        seqs[n, : len(p) + len(a)] = torch.tensor([*p, *a])
+    lw = None
+    if loss_windows > 0 and held.numel() > seq_len + 1:
+        k = min(loss_windows, (held.numel() - 1) // seq_len)
+        lw = feats.run(torch.stack([held[i * seq_len : i * seq_len + seq_len + 1] for i in range(k)]))
+    return EvalSet(seqs, max(len(p) for p, _ in pairs), feats.run(seqs), lw,
+                   spans=[(len(p), len(p) + len(a)) for p, a in pairs])
 
 
 def chain_tau(ok: torch.Tensor, prompt_len: int, gamma: int) -> dict[str, float]:

@@ -104,6 +104,7 @@ def draft_model_tau(model: nn.Module, ev: EvalSet, gamma: int) -> dict[str, floa
     model.eval()
     seqs = ev.features.tokens
     pred = model.forward_dense(seqs).argmax(-1)  # position q predicts q + 1
-    parts = [chain_tau(draft_ok(pred[n], seqs[n], gamma), ev.prompt_len, gamma) for n in range(seqs.shape[0])]
+    parts = [chain_tau(draft_ok(pred[n, :length], seqs[n, :length], gamma), prompt_len, gamma)
+             for n, (prompt_len, length) in enumerate(ev.rows())]
     model.train(was)
     return tau_summary(parts, gamma)

@@ -276,17 +276,16 @@ class HeadRecipe:
         feats = ev.features
         hs = unrolled(head, feats, gamma)
         parts = []
-        for n in range(feats.tokens.shape[0]):
-            seq = feats.tokens[n]
-            length = seq.numel()
+        for n, (prompt_len, length) in enumerate(ev.rows()):
+            seq = feats.tokens[n, :length]
             ok = torch.zeros(length - 1, gamma, dtype=torch.bool)
             for s, h in enumerate(hs):
-                pred = head.draft_to_target[head.logits(h[n]).argmax(-1)]  # row i predicts x_{i+2}
+                pred = head.draft_to_target[head.logits(h[n, :length]).argmax(-1)]  # row i predicts x_{i+2}
                 # chain r, step s sits at row r + s and predicts x_{r+s+2}
                 m = length - 2 - s
                 if m > 0:
                     ok[:m, s] = pred[s : s + m] == seq[s + 2 : s + 2 + m]
-            parts.append(chain_tau(ok, ev.prompt_len, gamma))
+            parts.append(chain_tau(ok, prompt_len, gamma))
         head.train(was)
         return tau_summary(parts, gamma)
 

@@ -1,0 +1,57 @@
+"""``data.corpus=instructions`` (a chat target's self-distillation): the generated requests are a
+pure function of the seed, and the held-out set of requests of different lengths (right-padded)
+simulates τ exactly as each request alone would."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from test_train_app import tiny  # noqa: F401  (tiny: the module fixture)
+
+from specdec.train.data import DataConfig, GenerateConfig, TargetFeatures, chat_eval_set, instruction_split
+
+
+def test_requests_are_fixed_by_the_seed_and_split_without_overlap() -> None:
+    cfg = DataConfig(corpus="instructions", generate=GenerateConfig(prompts=60))
+    a, b, c = instruction_split(cfg, 0), instruction_split(cfg, 0), instruction_split(cfg, 1)
+    assert a.train == b.train and a.held_out == b.held_out
+    assert [t for _, t in a.train] != [t for _, t in c.train]
+    texts = [t for _, t in a.train + a.held_out]
+    assert len(texts) == 60 == len(set(texts)) and a.held_out and not set(a.train) & set(a.held_out)
+
+
+def test_padded_held_out_rows_simulate_as_each_request_alone(tiny: dict[str, Path]) -> None:  # noqa: F811
+    from specdec.core.checkpoint import load_decoder
+    from specdec.train.config import RecipeConfig
+    from specdec.train.eagle import HeadRecipe
+
+    target = load_decoder(tiny["target"], dtype=torch.float32).module.eval()
+    g = torch.Generator().manual_seed(0)
+    stream = torch.randint(2, 250, (400,), generator=g)
+    recipe = HeadRecipe(RecipeConfig(recipe="eagle3", ttt_steps=1), target, stream, seed=0)
+    feats = TargetFeatures(target, recipe.capture)
+    # (prompt, answer) pairs of different lengths; the answers: the target's own greedy tokens
+    from specdec.train.data import greedy_continue
+
+    pairs = []
+    for plen, alen in ((7, 20), (12, 9), (5, 30)):
+        seq = greedy_continue(target, stream[None, plen * 3 : plen * 4], alen)[0].tolist()
+        pairs.append((seq[:plen], seq[plen:]))
+    held = torch.cat([torch.tensor([0, *p, *a]) for p, a in pairs])
+    together = recipe.tau(chat_eval_set(feats, pairs, held, prompts=3, loss_windows=0, seq_len=16, pad=0), 3)
+    alone = [recipe.tau(chat_eval_set(feats, [pr], held, prompts=1, loss_windows=0, seq_len=16, pad=0), 3)
+             for pr in pairs]
+    for key in ("tokens", "steps"):
+        assert together[key] == sum(a[key] for a in alone)
+    assert together["tokens"] == sum(len(a) - 1 for _, a in pairs)  # every answer token after the prefill's
+
+
+def test_medusa_on_chat_requests_is_refused_naming_the_corpus(tiny: dict[str, Path], tmp_path: Path) -> None:  # noqa: F811
+    import pytest
+    from test_train_app import overrides, run
+
+    from specdec.train.state import TrainError
+
+    with pytest.raises(TrainError, match="data.corpus=instructions"):
+        run([*overrides(tiny, "medusa", tmp_path / "r"), "data.corpus=instructions", "data.generate.prompts=8"])
