@@ -11,6 +11,7 @@ Sampling from ``p`` uses the exponential race: ``argmax_j p_j / E_j`` with
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +87,26 @@ class SamplingTensors:
     any_greedy: bool
     any_top_k: bool
     any_top_p: bool
+
+
+def slot_sampling(params: list, slots: torch.Tensor | None, gather: Callable[[str, torch.Tensor], torch.Tensor],
+                  device: torch.device, greedy: dict[int, SamplingTensors]) -> SamplingTensors:
+    """A batch's sampling tensors from the per-request state store (``gather(name, slots)``,
+    written at admission), given each request's ``params`` (host flags). An all-greedy batch
+    reads none of them: the zero tensors kept in ``greedy`` (by batch size; never written)
+    serve every such batch of its size."""
+    temps = [p.temperature for p in params]
+    if all(t == 0 for t in temps):
+        if len(params) not in greedy:
+            z, zl = torch.zeros(len(params), device=device), torch.zeros(len(params), dtype=torch.long, device=device)
+            greedy[len(params)] = SamplingTensors(temperature=z, top_k=zl, top_p=z, seeds=zl, all_greedy=True,
+                                                  any_greedy=True, any_top_k=False, any_top_p=False)
+        return greedy[len(params)]
+    assert slots is not None
+    return SamplingTensors(temperature=gather("temperature", slots), top_k=gather("top_k", slots),
+                           top_p=gather("top_p", slots), seeds=gather("seed", slots), all_greedy=False,
+                           any_greedy=any(t == 0 for t in temps), any_top_k=any(p.top_k > 0 for p in params),
+                           any_top_p=any(p.top_p < 1.0 for p in params))
 
 
 def probs_from_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

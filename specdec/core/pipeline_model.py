@@ -514,8 +514,6 @@ class GenerationPipeline(Protocol):
 class PlainGeneration:
     """Ordinary decoding: one target forward per step, one token per request."""
 
-    draft_model = None  # (the statistics API of every pipeline: no drafter here)
-
     def __init__(self, target: DecoderPipelineModel, max_seq_len: int) -> None:
         self.target = target
         self.max_seq_len = max_seq_len

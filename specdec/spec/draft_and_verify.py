@@ -43,7 +43,8 @@ from specdec.spec.tree import (
     verify_tree_greedy,
     verify_tree_sampled,
 )
-from specdec.spec.verify import chain_fault, greedy_chain_readout, tree_fault, verify_greedy, verify_sampled
+from specdec.spec.verify import (accept_greedy_chain, chain_fault, greedy_chain_readout, greedy_fault, tree_fault,
+                                 verify_greedy, verify_sampled)
 
 
 @dataclass
@@ -60,6 +61,29 @@ class StepOutput:
     # [B, γ+1] a greedy chain's logits rows finite (1) or not, in place of ``fault`` (the host
     # takes chain_fault's code from it: verify.greedy_fault)
     finite: torch.Tensor | None = None
+
+    def readout(self) -> torch.Tensor:
+        """Everything the host needs, one tensor [B, ·] for the step's one read: ``greedy_rows``,
+        or per request its tokens, num_accepted, then its fault (or its rows' finite flags), then
+        its tree's depth (trees). :meth:`verdict` reads a row of it back."""
+        if self.greedy_rows is not None:
+            return self.greedy_rows
+        assert self.tokens is not None and self.num_accepted is not None
+        last = self.finite if self.finite is not None else self.fault.unsqueeze(1)
+        cols = [self.tokens, self.num_accepted.unsqueeze(1), last]
+        if self.depth is not None:
+            cols.append(self.depth.unsqueeze(1))
+        return torch.cat(cols, 1)
+
+    def verdict(self, row: list[int], gamma: int, num_draft: int) -> tuple[list[int], int, int, int | None]:
+        """One request's row of :meth:`readout` -> (tokens, num_accepted, fault code, tree depth or None)."""
+        if self.greedy_rows is not None:
+            return (*accept_greedy_chain(row, gamma, num_draft), None)
+        if self.finite is not None:
+            w = len(row) // 2  # γ+1 tokens, k, γ+1 flags
+            return row[:w], row[w], greedy_fault(row[w + 1:], row[w]), None
+        depth = row.pop() if self.depth is not None else None
+        return row[:-2], row[-2], row[-1], depth
 
 
 def _verify_sampled_chain(logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,

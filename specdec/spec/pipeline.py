@@ -36,13 +36,13 @@ import torch
 from specdec.core.context import RequestFailure, TextContext
 from specdec.core.pipeline_model import DecoderPipelineModel, PlainGeneration, non_finite
 from specdec.core.state_store import RequestStateStore, StateSpec
-from specdec.sampling import SamplingTensors
+from specdec.sampling import slot_sampling
 from specdec.spec.draft_and_verify import DraftAndVerify, StepOutput
 from specdec.spec.gamma import AdaptiveGamma, GammaPolicyConfig
 from specdec.spec.metrics import RunStats, SpecCounts
 from specdec.spec.proposers.base import DraftBatch, Proposer
 from specdec.spec.step_buffers import OneRequestBuffers, serves
-from specdec.spec.verify import accept_greedy_chain, describe_fault, greedy_fault
+from specdec.spec.verify import describe_fault
 
 __all__ = ["DraftAndVerify", "SpecConfig", "SpecDecodePipelineModel", "StepOutput", "state_specs"]
 
@@ -81,7 +81,6 @@ def state_specs(proposer: Proposer, vocab_size: int) -> list[StateSpec]:
     if clash:
         raise ValueError(f"proposer {proposer.name!r} declares state the pipeline keeps already: {sorted(clash)}")
     return specs + own
-
 
 
 class SpecDecodePipelineModel:
@@ -137,7 +136,7 @@ class SpecDecodePipelineModel:
         # Drafts waiting in the state store per request (a drafter that drafts after
         # verification): 0 until its first step, and again after a preemption.
         self._ready: dict[int, int] = {}
-        self._greedy: dict[int, SamplingTensors] = {}  # all-greedy sampling tensors per batch size
+        self._greedy: dict = {}  # all-greedy sampling tensors per batch size (slot_sampling)
         self.adaptive: AdaptiveGamma | None = None
         if config.gamma_policy.adaptive:
             from specdec.dist.group import current
@@ -148,11 +147,6 @@ class SpecDecodePipelineModel:
             self.adaptive.calibrate()  # now, while the KV cache is empty
 
     # -- statistics ------------------------------------------------------------------
-    @property
-    def draft_model(self) -> DecoderPipelineModel | None:
-        """The draft decoder (T_draft(1) of the analytic limit); None for model-free methods."""
-        return self.spec.model
-
     def stats(self) -> RunStats:
         """Figures since the last :meth:`reset_stats` (definitions: spec/metrics.py)."""
         total = SpecCounts()
@@ -376,7 +370,8 @@ class SpecDecodePipelineModel:
             t = times.lap("target_prepare", t)
             draft_host = self.proposer.prepare_after(fed, packed, self.config.num_speculative_tokens)
             t = times.lap("draft_prepare", t)
-        sampling = self._sampling(fed, packed.state_slots)
+        sampling = slot_sampling([c.sampling for c in fed], packed.state_slots, self.state.gather, self.device,
+                                 self._greedy)
         positions = None
         if not sampling.all_greedy:
             positions = torch.tensor(lens, dtype=torch.long, device=self.device).unsqueeze(1) + torch.arange(
@@ -392,33 +387,12 @@ class SpecDecodePipelineModel:
         """The step's one host sync, then per request: its failure (a fault) or its new
         tokens; its counts and adaptive γ's; both KV caches rolled back past rejected drafts."""
         times, after, a = self.module.times, self.spec.drafts_after_verify, self.adaptive
-        host_verified = out.greedy_rows is not None
-        tree = out.depth is not None
-        if host_verified:
-            t = time.perf_counter()
-            rows = self._read(out.greedy_rows)
-        else:
-            assert out.tokens is not None and out.num_accepted is not None
-            # Each row: tokens, k, then the fault, or each logits row finite (verify.greedy_fault).
-            last = out.finite if out.finite is not None else out.fault.unsqueeze(1)
-            cols = [out.tokens, out.num_accepted.unsqueeze(1), last]
-            if tree:
-                cols.append(out.depth.unsqueeze(1))
-            t = time.perf_counter()
-            rows = self._read(torch.cat(cols, 1))
+        t = time.perf_counter()
+        rows = self._read(out.readout())
         t = times.lap("sync", t)
         new: list[list[int] | RequestFailure] = []
         for c, row, n, ln, g in zip(batch, rows, look, lens, gammas):
-            depth = None
-            if host_verified:
-                toks, k, fault = accept_greedy_chain(row, gamma, n)
-            elif out.finite is not None:
-                w = len(row) // 2  # γ+1 tokens, k, γ+1 flags
-                toks, k = row[:w], row[w]
-                fault = greedy_fault(row[w + 1:], k)
-            else:
-                depth = row.pop() if tree else None
-                toks, k, fault = row[:-2], row[-2], row[-1]
+            toks, k, fault, depth = out.verdict(row, gamma, n)
             if fault >= 0:  # this request only: the engine ends it and frees what it holds
                 what, at = describe_fault(fault)
                 new.append(non_finite(c, what, ln + at))
@@ -470,27 +444,3 @@ class SpecDecodePipelineModel:
         if entry is None:
             entry = self.counts[ctx.key] = (ctx.request_id, SpecCounts())
         return entry[1]
-
-    def _sampling(self, batch: list[TextContext], slots: torch.Tensor | None) -> SamplingTensors:
-        temps = [c.sampling.temperature for c in batch]
-        if all(t == 0 for t in temps):  # greedy reads no sampling tensor: skip the gathers
-            greedy = self._greedy.get(len(batch))
-            if greedy is None:  # made once per batch size (nothing writes to them)
-                z = torch.zeros(len(batch), device=self.device)
-                zl = torch.zeros(len(batch), dtype=torch.long, device=self.device)
-                greedy = self._greedy[len(batch)] = SamplingTensors(
-                    temperature=z, top_k=zl, top_p=z, seeds=zl, all_greedy=True,
-                    any_greedy=True, any_top_k=False, any_top_p=False)
-            return greedy
-        assert slots is not None
-        g = self.state.gather
-        return SamplingTensors(
-            temperature=g("temperature", slots),
-            top_k=g("top_k", slots),
-            top_p=g("top_p", slots),
-            seeds=g("seed", slots),
-            all_greedy=all(t == 0 for t in temps),
-            any_greedy=any(t == 0 for t in temps),
-            any_top_k=any(c.sampling.top_k > 0 for c in batch),
-            any_top_p=any(c.sampling.top_p < 1.0 for c in batch),
-        )

@@ -77,7 +77,7 @@ def _run(target: Path, draft: Path | None, prompts: list[list[int]], sp: Samplin
     llm = LLM(str(target), _method(draft), runtime=rt, engine_config=EngineConfig(max_batch_size=batch))
     if poison_kv:
         pipe = llm.pipeline
-        models = [pipe.target] + ([pipe.draft_model] if pipe.draft_model is not None else [])
+        models = [pipe.target] + ([pipe.spec.model] if getattr(pipe, "spec", None) and pipe.spec.model else [])
         for m in models:
             for cache in m.caches:
                 cache.tensors.k.fill_(NAN)
