@@ -75,6 +75,26 @@ def method_config(method: Method) -> ProposerConfig | None:
         raise type(e)(f"method {name!r}: {e}") from None
 
 
+def method_for(target: str | Path, method: Method) -> ProposerConfig | None:
+    """:func:`method_config` for ``target``: a fetchable target (``"smollm2"``) drafts with its own
+    shipped checkpoint (``specdec/zoo/smollm2-eagle3``) where the method would take the built-in
+    target's and one exists, as the run config does (:func:`specdec.conf_schema.target_heads`)."""
+    from specdec.conf_schema import ZOO_DIR, target_heads
+    from specdec.zoo_fetch import MODELS
+
+    if isinstance(method, str):
+        method = {"name": method}
+    if isinstance(method, Mapping) and "path" not in method and str(target) in MODELS:
+        own = ZOO_DIR / f"{target}-{str(method.get('name')).replace('_', '-')}"
+        if (own / "model.safetensors").is_file():
+            method = {**method, "path": str(own)}
+    cfg = method_config(method)
+    if cfg is None:
+        return None
+
+    return target_heads(str(target), {cfg.method_name: cfg})[cfg.method_name]
+
+
 _RUNTIME_KEYS = tuple(f.name for f in fields(RuntimeConfig))
 _ENGINE_KEYS = tuple(f.name for f in fields(EngineConfig))
 
@@ -198,9 +218,9 @@ class LLM:
         engine_config: EngineConfig | None = None,
         **settings: Any,
     ) -> None:
+        self.method = method_for(target, method)  # checked before anything loads
         self.target = target = resolve_target(target)  # a fetchable name ("smollm2"): its cached file
         self._ids = itertools.count()  # request numbers, unique across this LLM's calls and streams
-        self.method = method_config(method)  # checked before anything loads
         self.runtime, self.engine_config = split_settings(runtime, engine_config, settings)
         from specdec.dist.data_parallel import localize
 

@@ -274,7 +274,7 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
 
 
 def build_components(rc: RunConfig) -> Components:
-    methods = _target_heads(str(rc.target.path), method_configs(rc.method))
+    methods = target_heads(str(rc.target.path), method_configs(rc.method))
     _check_zoo_heads(str(rc.target.path), methods)
     return Components(
         target=str(rc.target.path),
@@ -286,7 +286,7 @@ def build_components(rc: RunConfig) -> Components:
     )
 
 
-def _target_heads(target: str, methods: dict[str, ProposerConfig]) -> dict[str, ProposerConfig]:
+def target_heads(target: str, methods: dict[str, ProposerConfig]) -> dict[str, ProposerConfig]:
     """A fetchable target (``target=smollm2``) drafts with its own shipped checkpoint where there is
     one: a method left at the built-in target's (``specdec/zoo/code-eagle3``, its default) takes
     ``specdec/zoo/<target>-<method>`` (``smollm2-eagle3``) instead."""

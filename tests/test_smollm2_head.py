@@ -63,3 +63,13 @@ def test_smollm2_eagle3_takes_the_smollm2_head_by_default() -> None:
     # A method with no SmolLM2 head still names the mismatch rather than loading the code target's.
     with pytest.raises(ConfigError, match="method.eagle.path"):
         _components(["target=smollm2", "method=[eagle]", "logger=none"])
+
+
+def test_the_python_api_takes_the_smollm2_head_by_default_too() -> None:
+    from specdec.api import method_for
+
+    assert method_for("smollm2", "eagle3").path == str(HEAD)  # (nothing fetched: the name is not resolved here)
+    with pytest.raises(ValueError, match="method.eagle3.path"):  # another target has no head by default
+        method_for("specdec/zoo/code-target", "eagle3")
+    mine = method_for("smollm2", {"name": "eagle3", "path": "/ckpt/my-head"})
+    assert mine.path == "/ckpt/my-head"  # a path the user gave is theirs
