@@ -331,8 +331,17 @@ class AdaptiveGamma:
             from specdec.spec.forward_time import forward_time
 
             rt, g, target, proposer = self.target.runtime, self.max_gamma, self.target, self.proposer
-            bpts = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < rt.max_batch_size] + [rt.max_batch_size]
             ctx = min(128, rt.max_seq_len - 1)
+            # Batches of throwaway requests the KV cache holds (a draft model's too); past them the
+            # curves extend by their last slope. Not even one: name the setting to raise.
+            models = [target] + ([proposer.spec.model] if proposer.spec.model is not None else [])
+            fits = min(m.num_free_blocks() // m.blocks_for(ctx + g + 1) for m in models)
+            if fits < 1:
+                raise ValueError(f"adaptive γ times a request of {ctx + g + 1} tokens, but the KV cache holds "
+                                 f"{target.num_free_blocks()} free blocks of {target.block_size} tokens: raise "
+                                 f"runtime.num_blocks (or set method.adaptive_gamma=false)")
+            top = min(rt.max_batch_size, fits)
+            bpts = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < top] + [top]
             tt = TargetCost.measure(lambda b, n: forward_time(target, n, max(ctx, n), repeats=2, stat="min",
                                                               requests=b, warmup=1), bpts, g + 1, rounds=4)
             td = CostCurve(lambda b: proposer.draft_cost(b, ctx), bpts)

@@ -345,3 +345,18 @@ def test_adaptive_gamma_runs_a_mixed_step_plain_and_times_steps_at_the_gamma_cho
     ag.record_step(2, 0.25)
     assert ag.choose([a], [4], True) > 0  # ... not for one request alone
     assert ag.step_times is not None and ag.step_times.counts() == {(2, g): 1, (2, 0): 1}
+
+
+def test_calibration_fits_the_kv_cache_it_has_or_names_the_setting(tiny_llama) -> None:
+    target = tiny_llama(seed=0)
+    method = NgramConfig(num_speculative_tokens=4, adaptive_gamma=True)
+    # Room for 3 of the 4 requests' calibration batches: it calibrates up to 3 and runs exactly.
+    rt = RuntimeConfig(num_blocks=40, block_size=8, max_batch_size=4, max_seq_len=96)
+    llm = LLM(target.path, method=method, runtime=rt)
+    plain = LLM(target.path, runtime=rt)
+    sp = SamplingParams(max_new_tokens=12)
+    assert [o.token_ids for o in llm.generate([[1, 2, 3]] * 4, sp)] == \
+        [o.token_ids for o in plain.generate([[1, 2, 3]] * 4, sp)]
+    with pytest.raises(ValueError, match=r"raise runtime.num_blocks .*adaptive_gamma=false"):
+        LLM(target.path, method=method, runtime=RuntimeConfig(num_blocks=4, block_size=8, max_batch_size=4,
+                                                                max_seq_len=96))
