@@ -280,7 +280,8 @@ def build_components(rc: RunConfig) -> Components:
         target=str(rc.target.path),
         methods=methods,
         sampling=replace(rc.sampling, stop_token_ids=tuple(rc.sampling.stop_token_ids)),
-        runtime=rc.runtime,
+        # exactness=strict asks for bit equality: no TF32 rounding of float32 matmuls (CUDA)
+        runtime=replace(rc.runtime, tf32=False) if rc.exactness == "strict" else rc.runtime,
         engine=rc.engine,
         data=rc.data,
     )

@@ -84,6 +84,13 @@ def test_a_bad_exactness_setting_is_refused_naming_the_key(key, value, message):
         to_run_config(_compose([f"{key}={value}"]))
 
 
+def test_strict_exactness_turns_tf32_off_and_the_others_leave_it():
+    from specdec.conf_schema import build_components
+
+    assert build_components(to_run_config(_compose(["exactness=strict"]))).runtime.tf32 is False
+    assert build_components(to_run_config(_compose(["exactness=auto"]))).runtime.tf32 is True
+
+
 # request id -> the target's rank (0: its choice; -1: its last) of the token the method puts at output
 # position 2, and the least prompt length it does so at (a later turn's: a longer prompt)
 _FLIPS: dict[str, tuple[int, int]] = {}
