@@ -1,6 +1,7 @@
-"""The EAGLE-3 head shipped for SmolLM2 (``specdec/zoo/smollm2-eagle3``): its files are the ones its
-manifest records, its shapes fit the target the manifest names, the loader reads it, and
-``target=smollm2 method=eagle3`` drafts with it by default. Never fetches the target."""
+"""The drafters shipped for SmolLM2 (``specdec/zoo/smollm2-eagle3``, ``smollm2-medusa``): their files
+are the ones their manifests record, their shapes fit the target the manifest names, the loader
+reads them, and ``target=smollm2`` with ``method=eagle3`` / ``method=medusa`` drafts with them by
+default. Never fetches the target."""
 
 from __future__ import annotations
 
@@ -15,10 +16,22 @@ from specdec.conf_schema import ZOO_DIR, ConfigError, build_components, config_d
 from specdec.zoo_fetch import MODELS
 
 HEAD = ZOO_DIR / "smollm2-eagle3"
+MEDUSA = ZOO_DIR / "smollm2-medusa"
 
 
-def _manifest() -> dict:
-    return json.loads((HEAD / "manifest.json").read_text())
+def _manifest(head=HEAD) -> dict:
+    return json.loads((head / "manifest.json").read_text())
+
+
+def _check_files(head) -> dict:
+    """The manifest of ``head``, whose files are the ones it records, made for the GGUF SmolLM2 fetches."""
+    m = _manifest(head)
+    for name, rec in m["files"].items():
+        data = (head / name).read_bytes()
+        assert len(data) == rec["bytes"], name
+        assert hashlib.sha256(data).hexdigest() == rec["sha256"], name
+    assert m["target"]["name"] == "smollm2" and m["target"]["gguf_sha256"] == MODELS["smollm2"].sha256
+    return m
 
 
 def _components(overrides: list[str]):
@@ -27,14 +40,9 @@ def _components(overrides: list[str]):
 
 
 def test_smollm2_head_files_match_manifest_and_fit_its_target() -> None:
-    m = _manifest()
-    for name, rec in m["files"].items():
-        data = (HEAD / name).read_bytes()
-        assert len(data) == rec["bytes"], name
-        assert hashlib.sha256(data).hexdigest() == rec["sha256"], name
+    m = _check_files(HEAD)
     assert sum(rec["bytes"] for rec in m["files"].values()) <= 30 * 2**20
     t = m["target"]
-    assert t["name"] == "smollm2" and t["gguf_sha256"] == MODELS["smollm2"].sha256
     cfg = json.loads((HEAD / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert cfg["target_hidden_size"] == cfg["hidden_size"] == t["hidden"] == 576
@@ -73,3 +81,21 @@ def test_the_python_api_takes_the_smollm2_head_by_default_too() -> None:
         method_for("specdec/zoo/code-target", "eagle3")
     mine = method_for("smollm2", {"name": "eagle3", "path": "/ckpt/my-head"})
     assert mine.path == "/ckpt/my-head"  # a path the user gave is theirs
+
+
+def test_smollm2_medusa_files_match_manifest_and_load_sharing_the_targets_lm_head() -> None:
+    from specdec.models.medusa import load_medusa
+
+    m = _check_files(MEDUSA)
+    assert sum(rec["bytes"] for rec in m["files"].values()) <= 8 * 2**20  # ResBlocks only: no lm head stored
+    cfg = json.loads((MEDUSA / "config.json").read_text())
+    assert cfg["version"] == "2" and cfg["hidden_size"] == m["target"]["hidden"] == 576
+    heads = load_medusa(MEDUSA, dtype=torch.float32)
+    assert heads.config.shared_lm_head and heads.config.num_heads == cfg["medusa_num_heads"] >= 3
+    assert heads.config.vocab_size == m["target"]["vocab"] == 49152
+
+
+def test_smollm2_medusa_takes_the_smollm2_heads_by_default() -> None:
+    comps = _components(["target=smollm2", "method=[medusa,eagle3]", "data=spec_bench", "logger=none"])
+    assert comps.methods["medusa"].path == str(MEDUSA)
+    assert comps.methods["eagle3"].path == str(HEAD)

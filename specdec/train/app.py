@@ -317,9 +317,6 @@ def train(cfg: TrainAppConfig, run_dir: str | Path) -> dict[str, Any]:
         raise TrainError(f"target.path={cfg.target.path!r} is neither a checkpoint directory (no config.json) "
                          f"nor a .gguf file")
     chat = cfg.data.corpus == "instructions"
-    if chat and rc.recipe == "medusa":
-        raise TrainError("data.corpus=instructions trains eagle, eagle3 or draft_model recipes (medusa's static-tree "
-                         "figures need held-out rows of one length)")
     progress.line(f"{rc.recipe}: loading target {target_dir}")
     target = load_decoder(target_dir, dtype=torch.float32).module.eval()
     tok = load_tokenizer(target_dir, vocab_size=target.config.vocab_size)

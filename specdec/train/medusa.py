@@ -113,17 +113,20 @@ class MedusaRecipe:
         top = head(feats.hidden.float()).topk(TREE_RANKS, dim=-1).indices  # [N, L, K, R]: head s on h_r, x_{r+2+s}
         pred = top[:, :, :g, 0]  # [N, L, g]
         parts = []
-        for n in range(feats.tokens.shape[0]):
-            seq = feats.tokens[n]
-            length = seq.numel()
+        hits = torch.zeros(head.num_heads, TREE_RANKS)
+        reach = torch.zeros(head.num_heads)
+        for n, (prompt_len, length) in enumerate(ev.rows()):  # chat rows: each request's own span
+            seq = feats.tokens[n, :length]
             ok = torch.zeros(length - 1, g, dtype=torch.bool)
             for s in range(g):
                 m = length - 2 - s
                 if m > 0:
                     ok[:m, s] = pred[n, :m, s] == seq[s + 2 : s + 2 + m]
-            parts.append(chain_tau(ok, ev.prompt_len, g))
+            parts.append(chain_tau(ok, prompt_len, g))
+            h, r = rank_counts(top[n : n + 1, :length], seq[None], prompt_len)
+            hits, reach = hits + h, reach + r
         head.train(was)
-        acc = rank_accuracy(top, feats.tokens, ev.prompt_len)
+        acc = (hits / reach.clamp(min=1).unsqueeze(-1)).tolist()
         choices = best_static_tree(acc, TREE_CHOICES)
         expected = {n: round(1 + sum(math.prod(acc[d][r] for d, r in enumerate(p)) for p in choices[:n]), 3)
                     for n in (1, 2, 4, 8, 16, 32) if n <= len(choices)}
@@ -161,6 +164,13 @@ def rank_accuracy(top: torch.Tensor, tokens: torch.Tensor, prompt_len: int) -> l
     continuation (``t >= prompt_len - 1``) where the tokens ``x_{t+2}..x_{t+1+s}`` were each
     in their head's top ``R``: the roots at which a tree could have reached depth ``s + 1``
     (the conditional :func:`specdec.spec.tree.best_static_tree` multiplies along a path)."""
+    hits, reach = rank_counts(top, tokens, prompt_len)
+    return (hits / reach.clamp(min=1).unsqueeze(-1)).tolist()
+
+
+def rank_counts(top: torch.Tensor, tokens: torch.Tensor, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rank_accuracy`'s counts: hits [K, R] and roots reaching each depth [K], so rows of
+    different spans (chat requests) add up before dividing."""
     n, length, k, r = top.shape
     roots = torch.arange(prompt_len - 1, length - 2)  # x_{t+2} exists
     at = roots.view(-1, 1) + 2 + torch.arange(k)  # [T, K] the token each head's draft is for
@@ -170,5 +180,4 @@ def rank_accuracy(top: torch.Tensor, tokens: torch.Tensor, prompt_len: int) -> l
     in_top = hit.any(-1)
     reach = torch.cat([torch.ones_like(in_top[..., :1]), in_top.int().cumprod(-1)[..., :-1].bool()], -1)
     reach &= valid
-    hits = (hit & reach.unsqueeze(-1)).sum((0, 1)).float()  # [K, R]
-    return (hits / reach.sum((0, 1)).clamp(min=1).unsqueeze(-1)).tolist()
+    return (hit & reach.unsqueeze(-1)).sum((0, 1)).float(), reach.sum((0, 1)).float()

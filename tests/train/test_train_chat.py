@@ -4,8 +4,10 @@ simulates τ exactly as each request alone would."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from test_train_app import tiny  # noqa: F401  (tiny: the module fixture)
 
@@ -21,16 +23,25 @@ def test_requests_are_fixed_by_the_seed_and_split_without_overlap() -> None:
     assert len(texts) == 60 == len(set(texts)) and a.held_out and not set(a.train) & set(a.held_out)
 
 
-def test_padded_held_out_rows_simulate_as_each_request_alone(tiny: dict[str, Path]) -> None:  # noqa: F811
+@pytest.mark.parametrize("recipe", ["eagle3", "medusa"])
+def test_padded_held_out_rows_simulate_as_each_request_alone(tiny: dict[str, Path], recipe: str) -> None:  # noqa: F811
     from specdec.core.checkpoint import load_decoder
     from specdec.train.config import RecipeConfig
     from specdec.train.eagle import HeadRecipe
+    from specdec.train.medusa import MedusaRecipe
 
     target = load_decoder(tiny["target"], dtype=torch.float32).module.eval()
     g = torch.Generator().manual_seed(0)
     stream = torch.randint(2, 250, (400,), generator=g)
-    recipe = HeadRecipe(RecipeConfig(recipe="eagle3", ttt_steps=1), target, stream, seed=0)
-    feats = TargetFeatures(target, recipe.capture)
+    if recipe == "medusa":
+        r = MedusaRecipe(RecipeConfig(recipe="medusa", medusa_num_heads=3), target, stream, seed=0)
+        with torch.no_grad():  # heads that guess differently per position, so spans matter
+            for p in r.module.parameters():
+                if p.requires_grad:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    else:
+        r = HeadRecipe(RecipeConfig(recipe="eagle3", ttt_steps=1), target, stream, seed=0)
+    feats = TargetFeatures(target, r.capture)
     # (prompt, answer) pairs of different lengths; the answers: the target's own greedy tokens
     from specdec.train.data import greedy_continue
 
@@ -39,19 +50,31 @@ def test_padded_held_out_rows_simulate_as_each_request_alone(tiny: dict[str, Pat
         seq = greedy_continue(target, stream[None, plen * 3 : plen * 4], alen)[0].tolist()
         pairs.append((seq[:plen], seq[plen:]))
     held = torch.cat([torch.tensor([0, *p, *a]) for p, a in pairs])
-    together = recipe.tau(chat_eval_set(feats, pairs, held, prompts=3, loss_windows=0, seq_len=16, pad=0), 3)
-    alone = [recipe.tau(chat_eval_set(feats, [pr], held, prompts=1, loss_windows=0, seq_len=16, pad=0), 3)
+    together = r.tau(chat_eval_set(feats, pairs, held, prompts=3, loss_windows=0, seq_len=16, pad=0), 3)
+    alone = [r.tau(chat_eval_set(feats, [pr], held, prompts=1, loss_windows=0, seq_len=16, pad=0), 3)
              for pr in pairs]
     for key in ("tokens", "steps"):
         assert together[key] == sum(a[key] for a in alone)
     assert together["tokens"] == sum(len(a) - 1 for _, a in pairs)  # every answer token after the prefill's
 
 
-def test_medusa_on_chat_requests_is_refused_naming_the_corpus(tiny: dict[str, Path], tmp_path: Path) -> None:  # noqa: F811
-    import pytest
+def test_medusa_trains_on_chat_requests(tiny: dict[str, Path], tmp_path: Path) -> None:  # noqa: F811
     from test_train_app import overrides, run
 
-    from specdec.train.state import TrainError
+    from specdec.models.medusa import load_medusa
 
-    with pytest.raises(TrainError, match="data.corpus=instructions"):
-        run([*overrides(tiny, "medusa", tmp_path / "r"), "data.corpus=instructions", "data.generate.prompts=8"])
+    chat_target = tmp_path / "target"  # the tiny target with a chat template of its own
+    shutil.copytree(tiny["target"], chat_target)
+    (chat_target / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}A:{% endif %}")
+    m = run([*overrides({**tiny, "target": chat_target}, "medusa", tmp_path / "r", "train.medusa_num_heads=3"),
+             "data.corpus=instructions",
+             "data.generate.prompts=24", "data.generate.prompt_len=240", "data.generate.new_tokens=12", "eval.prompts=4"])
+    assert m["recipe"] == "medusa" and m["data"]["root"] == "specdec.train.instructions"
+    ev = m["data"]["heldout_eval"]
+    assert "chat template" in ev["rule"] and 0 < ev["new_tokens"] <= 12 * ev["prompts"]
+    shipped = m["heldout"]["shipped"]
+    assert 1.0 <= shipped["tau"] <= 4.0 and m["losses"]["eval"][-1]["tau"] >= 1.0
+    acc = shipped["static_tree"]["rank_accuracy"]
+    assert len(acc) == 3 and all(0.0 <= a <= 1.0 for row in acc for a in row)
+    assert load_medusa(tmp_path / "r" / "out").config.num_heads == 3
