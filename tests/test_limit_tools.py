@@ -7,9 +7,7 @@ run gives the same limit whichever tool reports it."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import sys
 import types
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,6 +22,7 @@ from specdec.experiment.runner import LIMIT_CHUNKS, Runner
 from specdec.measure import ForwardTimes, Timing, efficiency, pass_limit, random_checkpoint
 from specdec.spec.metrics import SpecCounts
 from tests.test_experiment import _compose, _overrides, tiny_pair  # noqa: F401 (a fixture)
+from tests.scripts import load_script
 
 BENCH = Path(__file__).resolve().parents[1] / "experiments" / "bench"
 
@@ -35,14 +34,7 @@ C_SPEC = 0.024
 
 def _bench(name: str) -> types.ModuleType:
     """``experiments/bench/<name>.py`` as a module (the scripts are not a package)."""
-    key = f"_bench_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, BENCH / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[key] = mod  # dataclasses look their module up
-        spec.loader.exec_module(mod)
-    return sys.modules[key]
+    return load_script(BENCH / f"{name}.py")
 
 
 def test_the_run_summary_and_the_benchmarks_take_the_same_limit_from_the_same_run() -> None:

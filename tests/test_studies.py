@@ -3,7 +3,6 @@ plot and results file, and the figures in them agree with their definitions."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import math
@@ -18,20 +17,14 @@ import torch
 
 from specdec.measure import load_config, random_checkpoint
 from specdec.studies import StudyConfig, iid_tau, quick
+from tests.scripts import load_script
 
 STUDIES = Path(__file__).resolve().parents[1] / "experiments" / "studies"
 
 
 def _study(name: str) -> types.ModuleType:
     """``experiments/studies/<name>.py`` as a module (the scripts are not a package)."""
-    key = f"_study_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, STUDIES / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[key] = mod  # dataclasses look their module up
-        spec.loader.exec_module(mod)
-    return sys.modules[key]
+    return load_script(STUDIES / f"{name}.py")
 
 
 @pytest.fixture(scope="module")
