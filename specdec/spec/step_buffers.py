@@ -63,8 +63,7 @@ class OneRequestBuffers:
         self._gather = torch.zeros(1, cap, dtype=torch.long)
         self._gather_np = self._gather.numpy()[0]
         self._views: dict[int, torch.Tensor] = {}  # width -> gather[:, :width]
-        self._held: list[int] = []  # block ids whose slots the buffer holds, in order
-        self._filled = 0  # positions written from them
+        self._held: list[int] = []  # block ids whose slots the buffer holds, in order, whole
 
     def gather(self, blocks: list[int], width: int) -> torch.Tensor:
         """``[1, width]`` KV slot of each position 0 … width - 1 for a request holding ``blocks``;
@@ -73,13 +72,19 @@ class OneRequestBuffers:
         bs = self.block_size
         if width > self._gather_np.shape[0]:
             self._grow(width)
-        nb = min(-(-width // bs), len(blocks))
-        # Rewritten for another request, a new block, or positions past the blocks (clamped).
-        if self._filled < width or len(blocks) * bs < width or blocks[:nb] != self._held[:nb]:
+        if len(blocks) * bs < width:  # positions past the blocks held: clamped, written whole
             p = np.arange(width)
             held = np.asarray(blocks, dtype=np.int64)
             self._gather_np[:width] = held[np.minimum(p // bs, len(blocks) - 1)] * bs + p % bs
-            self._held, self._filled = blocks[:nb], width
+            self._held = list(blocks)
+        else:  # whole blocks, only those not written yet (all of them for another request)
+            nb, k = -(-width // bs), len(self._held)
+            if blocks[:k] != self._held:
+                k = 0
+            if k < nb:
+                new = np.asarray(blocks[k:nb], dtype=np.int64)
+                self._gather_np[k * bs: nb * bs] = (new[:, None] * bs + np.arange(bs)).reshape(-1)
+                self._held = blocks[:nb]
         view = self._views.get(width)
         if view is None:
             view = self._views[width] = self._gather[:, :width]
