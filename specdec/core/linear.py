@@ -322,7 +322,10 @@ def pack_layers(module: nn.Module, kernel: str = "specdec") -> int:
             m.after_pack()
         if hasattr(type(m), "attention_kernel"):
             w = next(m.parameters(), None)
-            own = kernel == "specdec" and w is not None and row_kernel_serves(w.device, w.dtype)
+            # (our attention kernel reads a head 16 floats at a time: other head sizes keep SDPA,
+            # and no native forward, whose attention is that kernel)
+            own = (kernel == "specdec" and w is not None and row_kernel_serves(w.device, w.dtype)
+                   and getattr(getattr(m, "config", None), "head_dim", 16) % 16 == 0)
             m.attention_kernel = "specdec" if own else None
     # The parts of a fused layer ([q; k; v], [gate; up]) are views of its weight that the
     # forward never calls: packing them too would hold those weights packed twice.

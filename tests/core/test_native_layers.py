@@ -183,3 +183,22 @@ def test_the_draft_steps_give_the_python_chain_s_drafts_and_cache_writes():
                 lg = model(step).logits
     assert torch.equal(native, torch.stack(toks, dim=1)), (native, toks)
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+
+
+def test_a_head_size_our_attention_kernel_does_not_read_keeps_sdpa_and_no_native_forward(tmp_path):
+    # Our attention kernel reads a head 16 floats at a time: a model of 8-float heads (the tiny
+    # pair below) must not reach it, nor the native forward whose attention it is (that overran
+    # the heap: glibc aborted the run with "free(): invalid next size").
+    from specdec.api import LLM
+    from specdec.core.context import SamplingParams
+    from tests.dist.test_data_parallel import tiny_pair
+
+    target, draft = (a.split("=", 1)[1] for a in tiny_pair(tmp_path))
+    spec = LLM(target, method={"name": "draft_model", "path": draft, "num_speculative_tokens": 3}, max_seq_len=128)
+    assert spec.pipeline.target.module.config.head_dim == 8
+    assert spec.pipeline.target.module.attention_kernel is None
+    assert backend_of(spec.pipeline.spec.model.module).kind != "native"
+    sp = SamplingParams(max_new_tokens=16)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    assert [o.token_ids for o in spec.generate(prompts, sp)] == \
+        [o.token_ids for o in LLM(target, max_seq_len=128).generate(prompts, sp)]

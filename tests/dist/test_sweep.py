@@ -20,7 +20,7 @@ pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 def test_submitit_local_sweep_lists_its_jobs(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "specdec.run", "-m", "hydra/launcher=submitit_local", "experiment=quick",
-           "method.num_speculative_tokens=1,2", "plots=false", "warmup=0", "data.limit=2",
+           "method=[draft_model,ngram]", "method.num_speculative_tokens=1,2", "plots=false", "warmup=0", "data.limit=2",
            "sampling.max_new_tokens=8", "runtime.threads=1", "runtime.max_seq_len=256", *tiny_pair(tmp_path),
            f"hydra.sweep.dir={sweep}"]
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO)}
