@@ -204,10 +204,12 @@ class DecoderPipelineModel:
     def build_module(self) -> nn.Module:
         """The module a draft-and-verify module calls as its target.
 
-        Built once, by the decoder class's ``build_module`` over this model's
-        weights (adopted, not copied) and prepared like its own; from then on
-        this model executes it too, so one set of weights and one set of
-        compiled graphs serve plain steps, speculative steps and timing.
+        The prepared module itself where the decoder class keeps the default
+        ``build_module`` (rebuilding it would fuse and pack its weights again); else
+        built once by the class's ``build_module`` over this model's weights (adopted,
+        not copied) and prepared like its own. From then on this model executes it
+        too, so one set of weights and compiled graphs serve plain steps, speculative
+        steps and timing.
         """
         if self._built is None:
             from specdec.core.decoder_module import DecoderModule
@@ -604,10 +606,7 @@ class PlainGeneration:
         inputs.kv_cache = self.target.caches[0].tensors
         logits = self.target.modules[0](inputs).logits  # [1, V]
         self.num_forwards += 1
-        if ctx.sampling.temperature == 0:  # the argmax, unless finite_rows' float32 row sum is not finite
-            t = greedy_tokens(logits).item() if math.isfinite(logits.sum(-1, dtype=torch.float32).item()) else -1
-        else:
-            t = self._next_tokens(logits, [ctx])[0]
+        t = self._next_tokens(logits, [ctx])[0]
         return non_finite(ctx, "the target's logits", len(ctx.tokens)) if t < 0 else [t]
 
     def _next_tokens(self, logits: torch.Tensor, order: list[TextContext]) -> list[int]:

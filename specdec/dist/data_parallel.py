@@ -125,8 +125,6 @@ def follow(rc: Any, comps: Any, runner_cls: Any) -> dict[str, Any]:
         runner.warmup(reqs, rc.warmup, rc.warmup_tokens)
     for _ in run_batches(runner, reqs, rc.batch_size, plan["first_batch"], ctx):
         pass
-    if _collective(ctx, "receiving the timing plan", ctx.broadcast_object, None) and reqs:
-        runner.forward_times()
     return {}
 
 
@@ -135,8 +133,3 @@ def lead(ctx: DistContext, pending: Sequence[Any], first_batch: int) -> None:
     if ctx.distributed:
         plan = {"pending": [p.id for p in pending], "first_batch": first_batch} if pending else None
         _collective(ctx, "sending the run plan", ctx.broadcast_object, plan)
-
-
-def lead_timing(ctx: DistContext, timing: bool) -> None:
-    if ctx.distributed:
-        _collective(ctx, "sending the timing plan", ctx.broadcast_object, timing)

@@ -304,7 +304,6 @@ def _run_in(rc: RunConfig, comps: Components, rdir: Path, dctx: DistContext) -> 
                     so_far = current_summary()
                     write_json(rdir / SUMMARY_FILE, so_far)
                     progress.update(len(done), so_far)
-            dp.lead_timing(dctx, bool(comps.methods and not timings and reqs))
             if comps.methods and not timings:  # the analytic limit's bare forwards, timed within the batches
                 times = runner.forward_times()
                 if times:

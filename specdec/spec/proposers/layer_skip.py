@@ -87,9 +87,6 @@ class SharedWeightsPipelineModel(DecoderPipelineModel):
         module.ensure_rope(self._max_positions, self.runtime.device)
         load_backend(module, compile=self.runtime.compile)
 
-    def build_module(self) -> nn.Module:
-        return self.module
-
 
 def layer_skip_pipeline(target: DecoderPipelineModel, k: int, runtime: RuntimeConfig, *, extra_tokens: int,
                         shared_kv: bool, cache_name: str = "draft") -> SharedWeightsPipelineModel:
