@@ -20,11 +20,17 @@ Summation order: a row's keys sit at their slots whatever else is in the batch, 
 tile no query of it reads is skipped (in the tiles it reads, a masked key adds an exact
 0), so a row gets the same bits alone, beside other requests or among the rows of a
 verification (on torch 2.13's CPU kernel also across padded sizes 16, 32 and 64).
-Not provided here: the gather paths' isolation from non-finite values the row does not
-read (``PagedAttend``): a NaN or inf in a slot that shares a tile with a row's visible
-keys reaches that row (``0 × NaN``). The block mask is built by evaluating the
-``mask_mod`` over ``[rows, slots]`` once per forward (eager); a long prefill over a
-large cache pays for that.
+Non-finite values reach only the rows that read them, as on the gather paths. Inside a
+tile it reads, a row weighs a masked key's value by an exact 0, and ``0 × NaN`` is NaN,
+so a non-finite value is never stored: a forward stores a slot whose new key or value
+is not finite (any head) as key NaN, value 0 (:func:`_stored`). A masked NaN score is
+``-inf`` (weight exactly 0), so rows that do not read the slot keep their bits; a row
+that reads it (found from the same mask, not from the kernel: torch 2.13's CPU kernel
+turns a visible NaN score into a 0 row) is made NaN, as the gather path makes it, so
+the request that made it still fails. The cache starts zeroed (``PagedKVCache``).
+
+The block mask is built by evaluating the ``mask_mod`` over ``[rows, slots]`` once per
+forward (eager); a long prefill over a large cache pays for that.
 """
 
 from __future__ import annotations
@@ -74,8 +80,9 @@ def padded_rows(t: int) -> int:
 
 
 @torch.compiler.disable
-def _tables(inputs: DecoderInputs, num_slots: int, window: int | None) -> tuple[Any, int]:
-    """The block mask of one forward (every layer's) and its padded row count."""
+def _tables(inputs: DecoderInputs, num_slots: int, window: int | None) -> tuple[Any, int, torch.Tensor]:
+    """The block mask of one forward (every layer's), its padded row count, and which of its
+    request's slots (``gather_slots``) each row reads."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     dev = inputs.tokens.device
@@ -123,7 +130,17 @@ def _tables(inputs: DecoderInputs, num_slots: int, window: int | None) -> tuple[
             seen = seen & (slot_rope[kv] > q_rope[qi] - window)
         return seen
 
-    return create_block_mask(mask_mod, 1, None, rows, num_slots, device=dev, _compile=False), rows
+    block_mask = create_block_mask(mask_mod, 1, None, rows, num_slots, device=dev, _compile=False)
+    # Which of its request's slots each packed row reads: [T, S] (marked slots, module doc).
+    reads = mask_mod(None, None, torch.arange(t, device=dev)[:, None], inputs.gather_slots[q_req[:t]])
+    return block_mask, rows, reads
+
+
+def _stored(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the cache keeps of new keys and values ``[T, Hkv, D]``: a row with a non-finite
+    key or value as key NaN and value 0 (module doc); the others as they are, bit for bit."""
+    bad = ~(torch.isfinite(k).all(2).all(1) & torch.isfinite(v).all(2).all(1))[:, None, None]  # [T, 1, 1]
+    return k.masked_fill(bad, float("nan")), v.masked_fill(bad, 0.0)
 
 
 class FlexAttend:
@@ -135,11 +152,13 @@ class FlexAttend:
     def __init__(self, inputs: DecoderInputs, cache: KVCacheTensors, window: int | None) -> None:
         self.inputs = inputs
         self.cache = cache
-        self.block_mask, self.rows = _tables(inputs, cache.k.shape[1], window)
+        self.block_mask, self.rows, self.reads = _tables(inputs, cache.k.shape[1], window)
+        self.row_req = inputs.out_index // inputs.q_index.shape[1]
 
     @torch.compiler.disable
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         slots = self.inputs.slot_mapping
+        k, v = _stored(k, v)
         self.cache.k[layer].index_copy_(0, slots, k)
         self.cache.v[layer].index_copy_(0, slots, v)
         t, h, d = q.shape
@@ -147,4 +166,7 @@ class FlexAttend:
         kc = self.cache.k[layer].unsqueeze(0).transpose(1, 2)  # [1, Hkv, slots, D]: a view
         vc = self.cache.v[layer].unsqueeze(0).transpose(1, 2)
         out = _flex()(qp, kc, vc, block_mask=self.block_mask, enable_gqa=True)  # [1, H, rows, D]
-        return out[0, :, :t].transpose(0, 1).reshape(t, h * d)
+        out = out[0, :, :t].transpose(0, 1).reshape(t, h * d)
+        # A row that reads a slot stored as not finite is NaN, as on the gather path (module doc).
+        marked = self.cache.k[layer, :, 0, 0][self.inputs.gather_slots].isnan()  # [B, S]
+        return out.masked_fill((marked[self.row_req] & self.reads).any(1, keepdim=True), float("nan"))

@@ -92,3 +92,27 @@ def test_a_verified_row_gets_the_bits_it_gets_decoded_alone() -> None:
         alone = FlexAttend(pack_rows([0], [start + i], [1], table, BLOCK), cache, None)(0, q[i : i + 1], k[i : i + 1],
                                                                                           v[i : i + 1])
         assert torch.equal(alone, rows[i : i + 1]), i
+
+
+@pytest.mark.parametrize("which", ["value", "key"])
+def test_a_non_finite_key_or_value_reaches_only_the_rows_that_read_it(which: str) -> None:
+    """Row 1 of request 0 writes a NaN value (key), in the one 128-slot tile every row reads:
+    request 0's rows from 1 on read it and go NaN (so it still fails), its row 0 and the
+    other request keep their clean bits, now and in a later forward beside the stale slot."""
+    lens, starts, tables = [4, 3], [5, 2], [[3, 7, 1], [5, 0]]
+    inputs = pack_rows(list(range(7)), starts, lens, tables, BLOCK)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(7, H, D, generator=g), torch.randn(7, HKV, D, generator=g), torch.randn(7, HKV, D, generator=g)
+    bad_k, bad_v = k.clone(), v.clone()
+    (bad_v if which == "value" else bad_k)[1, 0, 2] = float("nan")
+    clean_cache, cache = _cache(0), _cache(0)
+    clean = FlexAttend(inputs, clean_cache, None)(0, q, k, v)
+    out = FlexAttend(inputs, cache, None)(0, q, bad_k, bad_v)
+    assert torch.equal(out[0], clean[0]) and torch.equal(out[4:], clean[4:])
+    assert out[1:4].isnan().any(-1).all()
+    # The next decode step: request 1 beside the stale NaN-made slot, request 0 over it.
+    step = pack_rows([0, 1], [9, 5], [1, 1], tables, BLOCK)
+    q1, k1, v1 = q[:2], k[:2], v[:2]
+    again = FlexAttend(step, cache, None)(0, q1, k1, v1)
+    assert torch.equal(again[1], FlexAttend(step, clean_cache, None)(0, q1, k1, v1)[1])
+    assert again[0].isnan().any()

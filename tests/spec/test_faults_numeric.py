@@ -2,7 +2,9 @@
 
 Attention reads padded and stale KV slots (other requests' blocks, freed
 blocks, rejected drafts) and masks them; masked by *selection*, a NaN there
-cannot reach a row that does not see it. A request whose logits (or, under
+cannot reach a row that does not see it. Flex attention (``runtime.attention
+=flex``) reads them in place, weighted by 0, so it never stores a non-finite
+value (specdec/core/flex.py): the faults run over it too. A request whose logits (or, under
 sampling, draft probabilities) go non-finite ends with ``finish_reason
 'error'`` naming itself and the sequence position; every other request of
 the batch comes out token-identical to a run without the fault.
@@ -72,8 +74,8 @@ def _method(draft: Path | None, gamma: int = 3) -> DraftModelConfig | None:
 
 
 def _run(target: Path, draft: Path | None, prompts: list[list[int]], sp: SamplingParams,
-         poison_kv: bool = False, batch: int = RT.max_batch_size) -> list[GenerationOutput]:
-    rt = replace(RT, max_batch_size=batch)
+         poison_kv: bool = False, batch: int = RT.max_batch_size, attention: str = "auto") -> list[GenerationOutput]:
+    rt = replace(RT, max_batch_size=batch, attention=attention)
     llm = LLM(str(target), _method(draft), runtime=rt, engine_config=EngineConfig(max_batch_size=batch))
     if poison_kv:
         pipe = llm.pipeline
@@ -81,7 +83,9 @@ def _run(target: Path, draft: Path | None, prompts: list[list[int]], sp: Samplin
         for m in models:
             for cache in m.caches:
                 cache.tensors.k.fill_(NAN)
-                cache.tensors.v.fill_(NAN)
+                # Flex attention never stores a non-finite value: a forward that makes one
+                # stores key NaN, value 0 (specdec/core/flex.py). That is what it may find.
+                cache.tensors.v.fill_(NAN if attention == "auto" else 0.0)
     return llm.generate(prompts, sp)
 
 
@@ -95,19 +99,26 @@ CASES = [("plain", GREEDY), ("plain", SAMPLED), ("spec", GREEDY), ("spec", SAMPL
 IDS = ["plain-greedy", "plain-sampled", "spec-greedy", "spec-sampled"]
 
 
-@pytest.mark.parametrize(("kind", "sp"), CASES, ids=IDS)
-def test_nan_in_free_kv_slots_changes_nothing(pair, kind: str, sp: SamplingParams) -> None:
+# Flex attention (runtime.attention=flex) reads whole 128-slot tiles of the cache, every
+# request's slots in one: a compile per padded row count, so it runs the speculative cases.
+ATTENTION = [pytest.param(a, kind, sp, id=f"{a}-{i}") for a in ("auto", "flex")
+             for (kind, sp), i in zip(CASES, IDS) if a == "auto" or kind == "spec"]
+
+
+@pytest.mark.parametrize(("attention", "kind", "sp"), ATTENTION)
+def test_nan_in_free_kv_slots_changes_nothing(pair, attention: str, kind: str, sp: SamplingParams) -> None:
     target, draft = pair
     draft = draft if kind == "spec" else None
-    clean = _run(target, draft, PROMPTS, sp)
-    poisoned = _run(target, draft, PROMPTS, sp, poison_kv=True)
+    clean = _run(target, draft, PROMPTS, sp, attention=attention)
+    poisoned = _run(target, draft, PROMPTS, sp, poison_kv=True, attention=attention)
     assert [o.error for o in poisoned] == [None] * len(PROMPTS)
     assert [o.token_ids for o in poisoned] == [o.token_ids for o in clean]
     assert all(len(o.token_ids) == sp.max_new_tokens for o in clean)
 
 
-@pytest.mark.parametrize(("kind", "sp"), CASES, ids=IDS)
-def test_nan_activations_fail_only_their_request(pair, tmp_path: Path, kind: str, sp: SamplingParams) -> None:
+@pytest.mark.parametrize(("attention", "kind", "sp"), ATTENTION)
+def test_nan_activations_fail_only_their_request(pair, tmp_path: Path, attention: str, kind: str,
+                                                 sp: SamplingParams) -> None:
     target, draft = pair
     draft = draft if kind == "spec" else None
     # Request 0 holds KV block 0, which the shorter requests' gathers pad with;
@@ -115,10 +126,10 @@ def test_nan_activations_fail_only_their_request(pair, tmp_path: Path, kind: str
     clean = _run(target, draft, PROMPTS, sp)
     x = min(set(range(64)) - {t for p, o in list(zip(PROMPTS, clean))[1:] for t in p + o.token_ids})
     prompts = [[1, 2, x, 4]] + PROMPTS[1:]
-    clean = _run(target, draft, prompts, sp)
+    clean = _run(target, draft, prompts, sp, attention=attention)
     assert x not in {t for o in clean[1:] for t in o.token_ids}
     nan_target = _edited_copy(target, tmp_path / "nan-target", _nan_embedding(x))
-    out = _run(nan_target, draft, prompts, sp)
+    out = _run(nan_target, draft, prompts, sp, attention=attention)
     bad = out[0]
     assert bad.finish_reason == "error" and bad.token_ids == []
     assert bad.error is not None
@@ -127,8 +138,10 @@ def test_nan_activations_fail_only_their_request(pair, tmp_path: Path, kind: str
     assert [o.token_ids for o in out[1:]] == [o.token_ids for o in clean[1:]]
 
 
-@pytest.mark.parametrize("batch", [1, 3])  # 1: a request alone (its causal fast path), 3: packed
-def test_draft_that_drives_the_target_non_finite_is_only_rejected(tiny_llama, tmp_path: Path, batch: int) -> None:
+# 1: a request alone (its causal fast path), 3: packed; flex: one tile holds every row
+@pytest.mark.parametrize(("attention", "batch"), [("auto", 1), ("auto", 3), ("flex", 3)])
+def test_draft_that_drives_the_target_non_finite_is_only_rejected(tiny_llama, tmp_path: Path, attention: str,
+                                                                   batch: int) -> None:
     """Every draft is token x, whose embedding in the target is NaN: the target's
     rows after it go NaN; the rows before it (what verification uses) must not."""
     src = tiny_llama(vocab=64, seed=0).path
@@ -137,7 +150,7 @@ def test_draft_that_drives_the_target_non_finite_is_only_rejected(tiny_llama, tm
     nan_target = _edited_copy(src, tmp_path / "nan-target", _nan_embedding(x))
 
     x_drafter = _edited_copy(src, tmp_path / "x-drafter", _always_drafts(x))
-    out = _run(nan_target, x_drafter, PROMPTS, GREEDY, batch=batch)
+    out = _run(nan_target, x_drafter, PROMPTS, GREEDY, batch=batch, attention=attention)
     assert [o.error for o in out] == [None] * len(PROMPTS)
     assert [o.token_ids for o in out] == [o.token_ids for o in clean]
 
