@@ -79,14 +79,14 @@ def method_for(target: str | Path, method: Method) -> ProposerConfig | None:
     """:func:`method_config` for ``target``: a fetchable target (``"smollm2"``) drafts with its own
     shipped checkpoint (``specdec/zoo/smollm2-eagle3``) where the method would take the built-in
     target's and one exists, as the run config does (:func:`specdec.conf_schema.target_heads`)."""
-    from specdec.conf_schema import ZOO_DIR, target_heads
+    from specdec.conf_schema import target_heads, zoo_drafter
     from specdec.zoo_fetch import MODELS
 
     if isinstance(method, str):
         method = {"name": method}
     if isinstance(method, Mapping) and "path" not in method and str(target) in MODELS:
-        own = ZOO_DIR / f"{target}-{str(method.get('name')).replace('_', '-')}"
-        if (own / "model.safetensors").is_file():
+        own = zoo_drafter(str(method.get("name")), str(target))
+        if own is not None:
             method = {**method, "path": str(own)}
     cfg = method_config(method)
     if cfg is None:

@@ -298,12 +298,21 @@ def target_heads(target: str, methods: dict[str, ProposerConfig]) -> dict[str, P
     out = {}
     for name, cfg in methods.items():
         path = getattr(cfg, "path", None)
-        own = ZOO_DIR / f"{target}-{name.replace('_', '-')}"
-        if (path and Path(path).resolve().parent == ZOO_DIR.resolve() and Path(path).name.startswith("code-")
-                and (own / "model.safetensors").is_file()):
-            cfg = replace(cfg, path=str(own))  # type: ignore[type-var]
+        if path and Path(path).resolve().parent == ZOO_DIR.resolve() and Path(path).name.startswith("code-"):
+            own = zoo_drafter(name, target)
+            if own is not None:
+                cfg = replace(cfg, path=str(own))  # type: ignore[type-var]
         out[name] = cfg
     return out
+
+
+def zoo_drafter(method: str, target: str | None = None) -> Path | None:
+    """The checkpoint shipped in ``specdec/zoo`` for drafting method ``method``: a fetchable
+    ``target``'s own (``smollm2-eagle3``) or, with no target, the built-in target's (its
+    config's ``zoo_dir``, by default ``code-<method>``: ``code-eagle`` …); None where none is."""
+    name = method.replace("_", "-")
+    d = ZOO_DIR / (f"{target}-{name}" if target else config_class(method).zoo_dir or f"code-{name}")
+    return d if (d / "model.safetensors").is_file() else None
 
 
 def _check_zoo_heads(target: str, methods: dict[str, ProposerConfig]) -> None:

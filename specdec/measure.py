@@ -43,14 +43,14 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Collection, Generator, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
-from specdec.conf_schema import ZOO_DIR
+from specdec.conf_schema import ZOO_DIR, zoo_drafter  # (zoo_drafter: the benchmarks take it from here)
 from specdec.core.kernels import cpu_kernels_available
 from specdec.core.kv_cache import OutOfBlocks
 from specdec.core.pipeline_model import DecoderPipelineModel, RuntimeConfig
@@ -63,7 +63,6 @@ if TYPE_CHECKING:
     from specdec.engine import GenerationOutput
 
 T = TypeVar("T")
-K = TypeVar("K", bound=Hashable)
 C = TypeVar("C")
 
 
@@ -319,13 +318,12 @@ def judge_outputs(outs: Sequence[Sequence[int]], refs: Sequence[Sequence[int]], 
     ``equal``: no output differs beyond a near tie; ``near_ties``: outputs that differ only at a
     near tie of ``target``'s logits (one forward over prompt and reference prefix for each
     differing output); ``first_mismatch``: the first one's ``{index, position, margin, bound}``."""
-    from specdec.spec.exactness import NEAR_TIE, ExactnessPolicy, compute_eps, difference, target_logits
+    from specdec.spec.exactness import NEAR_TIE, ExactnessPolicy, difference, target_eps, target_logits
 
     if len(outs) != len(refs):
         return {"equal": False, "near_ties": 0, "first_mismatch": None}
     policy = ExactnessPolicy.resolve(mode, target.runtime.device, tie_margin)
-    dtype = next((p.dtype for p in target.module.parameters() if p.is_floating_point()), torch.float32)
-    eps = compute_eps(dtype, target.runtime.device)
+    eps = target_eps(target)
     verdicts = [policy.judge(difference(o, r, lambda i, p=p, r=r: target_logits(target, [*p, *r[:i]]), eps))
                 for o, r, p in zip(outs, refs, prompts)]
     wrong = [(k, v) for k, v in enumerate(verdicts) if v is not None and v["class"] != NEAR_TIE]
@@ -503,28 +501,6 @@ def efficiency(speedup: float | None, limit: float | None) -> float | None:
     return speedup / limit if speedup is not None and limit else None
 
 
-def bare_forward_times(
-    runs: Mapping[K, tuple[DecoderPipelineModel, int] | Callable[[int, int], float | None]], ctx_len: int, *,
-    rounds: int = 5, repeats: int = 10,
-) -> dict[K, float | None]:
-    """Median bare forward times of several ``key -> (model, n tokens)`` runs, interleaved.
-
-    Each of ``rounds`` rounds times every run once (``repeats`` calls each,
-    :func:`specdec.spec.forward_time.forward_time` at context ``ctx_len``),
-    and the result is the median over rounds: a slow spell then falls on
-    every run alike, so ratios of these times (the analytic limit is one)
-    hold better than when each is timed in one block. Raises
-    :class:`~specdec.core.kv_cache.OutOfBlocks`, saying so, when a model's
-    cache cannot hold one request at ``ctx_len``. A timer of its own that returns None (it
-    could not measure) makes that run's result None.
-    """
-    per: dict[K, list[float | None]] = {k: [] for k in runs}
-    for _ in range(rounds):
-        for k, run in runs.items():
-            per[k].append(_bare_time(run, ctx_len, repeats))
-    return {k: None if None in v else statistics.median(v) for k, v in per.items()}  # type: ignore[type-var]
-
-
 def _bare_time(run: tuple[DecoderPipelineModel, int] | Callable[[int, int], float | None], ctx_len: int,
                repeats: int) -> float | None:
     """Seconds of one bare forward of ``run``: a ``(model, n tokens)`` through
@@ -545,10 +521,14 @@ Timer = Callable[[int, int], float]  # (context length, timed calls) -> seconds 
 def limit_timers(methods: Mapping[str, LLM], *, after_other: bool | Collection[str] = False
                  ) -> dict[tuple[str, str], tuple[DecoderPipelineModel, int] | Timer]:
     """The bare forwards of each method's analytic limit, keyed ``(method, what)``: ``"t1"``
-    (the target's T(1)), ``"tg"`` (its T(γ+1)), ``"td"`` (the drafter's T_draft(1), where it
-    has one), and with ``after_other`` ``"tg_after"`` / ``"td_after"`` (see
-    :func:`limit_forward_times`). Each is a ``(model, n tokens)`` for
-    :func:`~specdec.spec.forward_time.forward_time` or a timer of its own."""
+    (the target's T(1)), ``"tg"`` (its T(γ+1); γ: ``num_speculative_tokens``, the most it
+    drafts), ``"td"`` (the drafter's T_draft(1), a draft model's or an EAGLE head's one-token
+    forward, where it has one). With ``after_other`` (True: every method with a drafter; or
+    those named) also ``"tg_after"``, T(γ+1) with the drafter's bare drafting run once (its
+    timer's one call, no warm-up) before each timed forward, and ``"td_after"``, T_draft(1)
+    with one bare verification forward before each timed drafting (:class:`ForwardTimes`'
+    ``t_target_g1_after_draft`` / ``t_draft_1_after_target``). Each is a ``(model, n tokens)``
+    for :func:`~specdec.spec.forward_time.forward_time` or a timer of its own."""
     runs: dict[tuple[str, str], tuple[DecoderPipelineModel, int] | Timer] = {}
     for name, llm in methods.items():
         pipe = llm.pipeline
@@ -590,33 +570,12 @@ def _forward_times(methods: Mapping[str, LLM], t: Mapping[tuple[str, str], float
     return out
 
 
-def limit_forward_times(
-    methods: Mapping[str, LLM], ctx_len: int, *, rounds: int = 5, repeats: int = 10,
-    after_other: bool | Collection[str] = False,
-) -> dict[str, ForwardTimes]:
-    """Per speculative method (its ``LLM``): T_target(1) and T_target(γ+1) of its
-    target, T_draft(1) of its drafter's one-token forward (a draft model's, an
-    EAGLE head's step; 0 for a model-free method), all interleaved, at one moment.
-    The tools do not take their limit from these: they time the same forwards *with*
-    their passes (:func:`limit_runs`), so that C_spec and S_plain share the machine's moments.
-
-    γ is the method's ``num_speculative_tokens`` (adaptive γ: the most it drafts).
-    ``after_other``: also T_target(γ+1) with the drafter's bare drafting run once
-    (its timer's one call, no warm-up) before each timed forward (``ForwardTimes.t_target_g1_after_draft``), and T_draft(1)
-    with one bare verification forward of the target before each timed drafting
-    (``t_draft_1_after_target``), for every method with a drafter (True) or for
-    those named.
-    """
-    t = bare_forward_times(limit_timers(methods, after_other=after_other), ctx_len, rounds=rounds, repeats=repeats)
-    return _forward_times(methods, t)
-
-
 LIMIT_RUN = "bare "  # the name prefix of limit_runs' contestants
 
 
 def limit_runs(methods: Mapping[str, LLM], ctx_len: int, *, chunks: int = 12, repeats: int = 3,
                after_other: bool | Collection[str] = False) -> dict[str, Run[list[float]]]:
-    """The bare forwards of :func:`limit_forward_times` as contestants of :func:`lockstep`,
+    """The bare forwards of :func:`limit_timers` as contestants of :func:`lockstep`,
     timed in the same passes as the runs they are a limit for (:func:`limit_from`).
 
     Timed at one moment, before or after the passes, the limit's bare forwards catch
@@ -771,15 +730,6 @@ def checkpoint(option: str, builtin: Path | None, **random: Any) -> Path:
     if option not in ("builtin", "random"):
         return Path(option)
     return builtin if option == "builtin" and builtin is not None else random_checkpoint(**random)
-
-
-def zoo_drafter(name: str) -> Path | None:
-    """The shipped checkpoint of drafting method ``name`` for the built-in target
-    (``specdec/zoo/<its config's zoo_dir>``, by default ``code-<name>``: ``code-eagle`` …), or None."""
-    from specdec.spec.proposers import config_class
-
-    d = ZOO_DIR / (config_class(name).zoo_dir or f"code-{name.replace('_', '-')}")
-    return d if (d / "model.safetensors").is_file() else None
 
 
 def scratch_dir(prefix: str) -> Path:

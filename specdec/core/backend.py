@@ -154,29 +154,30 @@ def _medusa(hidden: torch.Tensor, blocks: list[torch.Tensor], biases: list[torch
 
 def _eagle(module: nn.Module, operands: tuple[Any, ...], inputs: DecoderInputs, feature: torch.Tensor,
            groups: list[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    per = ([g.inputs.slot_mapping for g in groups], [g.slots for g in groups], [g.mask for g in groups],
-           [f for g in groups for f in (int(g.causal), int(g.single))], [g.inputs.q_index for g in groups],
-           [g.inputs.out_index for g in groups], [g.inputs.positions.shape[0] for g in groups])
     cache = groups[0].cache
     return torch.ops.specdec_cpu.eagle_forward.default(
-        inputs.tokens, feature, inputs.positions, cache.k, cache.v, inputs.logit_index, *per, module.rope_cos,
-        module.rope_sin, *operands)
+        inputs.tokens, feature, inputs.positions, cache.k, cache.v, inputs.logit_index, *_per_group(groups),
+        module.rope_cos, module.rope_sin, *operands)
+
+
+def _per_group(groups: list[Any]) -> tuple[list[Any], ...]:
+    """The native ops' per-group operands of the forward's ``PagedAttend`` ``groups``: slot
+    mappings, slots, masks, (causal, single) flags, q and out indices, row counts."""
+    if len(groups) == 1:  # (most steps: the lists without a loop)
+        g = groups[0]
+        return ([g.inputs.slot_mapping], [g.slots], [g.mask], [int(g.causal), int(g.single)], [g.inputs.q_index],
+                [g.inputs.out_index], [g.inputs.positions.shape[0]])
+    return ([g.inputs.slot_mapping for g in groups], [g.slots for g in groups], [g.mask for g in groups],
+            [f for g in groups for f in (int(g.causal), int(g.single))], [g.inputs.q_index for g in groups],
+            [g.inputs.out_index for g in groups], [g.inputs.positions.shape[0] for g in groups])
 
 
 def _stack(module: nn.Module, operands: tuple[Any, ...], inputs: DecoderInputs, groups: list[Any],
            rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     cache = groups[0].cache
-    if len(groups) == 1:  # (most steps: the lists without a loop)
-        g = groups[0]
-        per = ([g.inputs.slot_mapping], [g.slots], [g.mask], [int(g.causal), int(g.single)], [g.inputs.q_index],
-               [g.inputs.out_index], [g.inputs.positions.shape[0]])
-    else:
-        per = ([g.inputs.slot_mapping for g in groups], [g.slots for g in groups], [g.mask for g in groups],
-               [f for g in groups for f in (int(g.causal), int(g.single))], [g.inputs.q_index for g in groups],
-               [g.inputs.out_index for g in groups], [g.inputs.positions.shape[0] for g in groups])
     h, hl, logits, seen = torch.ops.specdec_cpu.decoder_forward.default(
-        inputs.tokens, inputs.positions, cache.k, cache.v, inputs.logit_index, *per, list(inputs.capture_layers),
-        rows, module.rope_cos, module.rope_sin, *operands)
+        inputs.tokens, inputs.positions, cache.k, cache.v, inputs.logit_index, *_per_group(groups),
+        list(inputs.capture_layers), rows, module.rope_cos, module.rope_sin, *operands)
     return h, hl, logits, list(seen)
 
 

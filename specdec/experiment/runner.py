@@ -56,7 +56,7 @@ from specdec.measure import (
     warm_up,
     with_room_for_bare,
 )
-from specdec.spec.exactness import compute_eps, difference, target_logits
+from specdec.spec.exactness import difference, target_eps, target_logits
 from specdec.spec.metrics import SpecCounts
 
 log = logging.getLogger(__name__)
@@ -208,10 +208,7 @@ class Runner:
         self.bare_rounds: dict[str, list[list[float]]] = {}
         self.no_room_for_bare = False  # a bare forward did not fit in the KV cache: no limit
         # A differing greedy output's margin: the plain target's logits, in its compute dtype's precision.
-        target = self.plain.pipeline.target  # type: ignore[attr-defined]
-        dtype = comps.runtime.torch_dtype or next(
-            (p.dtype for p in target.module.parameters() if p.is_floating_point()), torch.float32)
-        self.eps = compute_eps(dtype, comps.runtime.device)
+        self.eps = target_eps(self.plain.pipeline.target)  # type: ignore[attr-defined]
 
     @property
     def plain(self) -> LLM:

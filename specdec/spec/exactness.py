@@ -49,6 +49,14 @@ def compute_eps(dtype: torch.dtype, device: str = "cpu") -> float:
     return float(torch.finfo(dtype).eps)
 
 
+def target_eps(pm: Any) -> float:
+    """:func:`compute_eps` of a target's (:class:`~specdec.core.pipeline_model.DecoderPipelineModel`)
+    forward: its runtime's compute dtype or, left to the checkpoint, its weights', on its device."""
+    dtype = pm.runtime.torch_dtype or next(
+        (p.dtype for p in pm.module.parameters() if p.is_floating_point()), torch.float32)
+    return compute_eps(dtype, pm.runtime.device)
+
+
 def ulp_at(value: float, eps: float) -> float:
     """The spacing of numbers of relative spacing ``eps`` at ``|value|`` (at least 1's)."""
     return eps * 2.0 ** math.floor(math.log2(max(abs(value), 1.0)))

@@ -178,6 +178,15 @@ def lr_at(step: int, steps: int, lr: float, warmup: int, min_ratio: float) -> fl
 GENERATED_FILE = "generated.safetensors"
 
 
+def _generated_before(path: Path, key: list[Any], names: set[str]) -> dict[str, torch.Tensor] | None:
+    """The tensors of the self-distillation text file ``path`` where an earlier run of this run
+    dir made them with the same ``key`` and they hold ``names``; None: make them again."""
+    if not path.is_file():
+        return None
+    tensors, meta = read_tensors(path, "self-distillation text")
+    return tensors if meta.get("key") == key and names <= set(tensors) else None
+
+
 def self_distillation_text(cfg: TrainAppConfig, target_dir: Path, train_ids: torch.Tensor, sep: int,
                            run_dir: Path, progress: Progress) -> torch.Tensor:
     """``data.generate``'s documents (:func:`specdec.train.data.generated_documents`), made once
@@ -187,11 +196,10 @@ def self_distillation_text(cfg: TrainAppConfig, target_dir: Path, train_ids: tor
     g = cfg.data.generate
     path = run_dir / GENERATED_FILE
     key = [g.prompts, g.prompt_len, g.new_tokens, int(train_ids.numel()), int(train_ids.sum())]
-    if path.is_file():
-        tensors, meta = read_tensors(path, "self-distillation text")
-        if meta.get("key") == key and "tokens" in tensors:
-            progress.line(f"self-distillation text: {tensors['tokens'].numel():,} tokens from {path}")
-            return tensors["tokens"]
+    made = _generated_before(path, key, {"tokens"})
+    if made is not None:
+        progress.line(f"self-distillation text: {made['tokens'].numel():,} tokens from {path}")
+        return made["tokens"]
     t0 = time.perf_counter()
     with progress.phase(f"self-distillation text: {g.prompts} windows x {g.new_tokens} greedy tokens"):
         tokens = D.generated_documents(target_dir, train_ids, g, sep)
@@ -212,14 +220,10 @@ def chat_text(cfg: TrainAppConfig, target: Path, split: Any, run_dir: Path,
     texts = [t for _, t in split.train] + [t for _, t in split.held_out]
     key = ["instructions", hashlib.sha256("\n".join(texts).encode()).hexdigest(), g.prompt_len, g.new_tokens,
            sha256(target) if target.is_file() else str(target)]
-    tensors = None
-    if path.is_file():
-        tensors, meta = read_tensors(path, "self-distillation text")
-        if meta.get("key") != key or not {"tokens", "prompt_lens", "answer_lens"} <= set(tensors):
-            tensors = None
-        else:
-            progress.line(f"self-distillation text: {len(texts)} requests and answers from {path}")
-    if tensors is None:
+    tensors = _generated_before(path, key, {"tokens", "prompt_lens", "answer_lens"})
+    if tensors is not None:
+        progress.line(f"self-distillation text: {len(texts)} requests and answers from {path}")
+    else:
         t0 = time.perf_counter()
         with progress.phase(f"self-distillation text: {len(texts)} requests x up to {g.new_tokens} greedy tokens"):
             pairs = D.chat_answers(target, texts, g)

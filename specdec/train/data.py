@@ -411,16 +411,15 @@ class EvalSet:
 
     def describe(self) -> dict[str, Any]:
         n, length = self.sequences.shape
+        lw = 0 if self.loss_windows is None else int(self.loss_windows.tokens.shape[0])
         if self.spans is not None:
             return {"prompts": n, "prompt_tokens": sum(p for p, _ in self.spans),
                     "new_tokens": sum(n_ - p for p, n_ in self.spans),
                     "rule": "the held-out requests rendered through the chat template, each with the target's "
-                            "greedy answer (up to data.generate.new_tokens, ending at EOS)",
-                    "loss_windows": 0 if self.loss_windows is None else int(self.loss_windows.tokens.shape[0])}
+                            "greedy answer (up to data.generate.new_tokens, ending at EOS)", "loss_windows": lw}
         return {"prompts": n, "prompt_tokens": self.prompt_len, "new_tokens": length - self.prompt_len,
                 "rule": "prompts start at evenly spaced offsets of the held-out stream; each continued "
-                        "greedily by the target (no EOS stop)",
-                "loss_windows": 0 if self.loss_windows is None else int(self.loss_windows.tokens.shape[0])}
+                        "greedily by the target (no EOS stop)", "loss_windows": lw}
 
 
 @torch.no_grad()
@@ -443,11 +442,7 @@ def eval_set(feats: TargetFeatures, held: torch.Tensor, *, prompts: int, prompt_
     starts = torch.linspace(0, held.numel() - span, n).long()
     p = held[starts[:, None] + torch.arange(span)[None, :]]
     seqs = greedy_continue(feats.target, p, new_tokens)
-    lw = None
-    if loss_windows > 0 and held.numel() > seq_len + 1:
-        k = min(loss_windows, (held.numel() - 1) // seq_len)
-        w = torch.stack([held[i * seq_len : i * seq_len + seq_len + 1] for i in range(k)])
-        lw = feats.run(w)
+    lw = held_loss_windows(feats, held, loss_windows, seq_len)
     return EvalSet(seqs, prompt_len, feats.run(seqs), lw)
 
 
@@ -461,12 +456,19 @@ def chat_eval_set(feats: TargetFeatures, pairs: Sequence[tuple[list[int], list[i
     seqs = torch.full((len(pairs), width), pad, dtype=torch.long)
     for n, (p, a) in enumerate(pairs):
         seqs[n, : len(p) + len(a)] = torch.tensor([*p, *a])
-    lw = None
-    if loss_windows > 0 and held.numel() > seq_len + 1:
-        k = min(loss_windows, (held.numel() - 1) // seq_len)
-        lw = feats.run(torch.stack([held[i * seq_len : i * seq_len + seq_len + 1] for i in range(k)]))
+    lw = held_loss_windows(feats, held, loss_windows, seq_len)
     return EvalSet(seqs, max(len(p) for p, _ in pairs), feats.run(seqs), lw,
                    spans=[(len(p), len(p) + len(a)) for p, a in pairs])
+
+
+def held_loss_windows(feats: TargetFeatures, held: torch.Tensor, loss_windows: int, seq_len: int) -> Features | None:
+    """Features of the first ``loss_windows`` windows (``seq_len + 1`` tokens each, starts
+    ``seq_len`` apart) of the held-out stream ``held``, for the held-out loss; None where none
+    are asked for or the stream is no longer than one window."""
+    if loss_windows <= 0 or held.numel() <= seq_len + 1:
+        return None
+    k = min(loss_windows, (held.numel() - 1) // seq_len)
+    return feats.run(torch.stack([held[i * seq_len : i * seq_len + seq_len + 1] for i in range(k)]))
 
 
 def chain_tau(ok: torch.Tensor, prompt_len: int, gamma: int) -> dict[str, float]:

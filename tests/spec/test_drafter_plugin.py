@@ -85,7 +85,7 @@ def test_the_guides_model_drafter_is_exact_and_costed_from_its_model(plugin_dir:
     # its catch-up come from the draft decoder it names in its DrafterSpec.
     from my_draft import OneDraftConfig, OneDraftProposer
 
-    from specdec.measure import limit_forward_times, step_shape
+    from specdec.measure import limit_from, limit_runs, step_shape
     from specdec.spec.proposers import Proposer
 
     assert all(getattr(OneDraftProposer, h) is getattr(Proposer, h)
@@ -103,7 +103,8 @@ def test_the_guides_model_drafter_is_exact_and_costed_from_its_model(plugin_dir:
     proposer = llm.pipeline.proposer
     assert proposer.draft_cost(2, 16) > 0 and proposer.catch_up_cost(8) > 0
     assert step_shape(llm) == (4, 1.0, 1)  # one forward, one draft a step
-    bare = limit_forward_times({"my_draft": llm}, 16, rounds=1, repeats=2)["my_draft"]
+    rounds = {k: [r.fn()] for k, r in limit_runs({"my_draft": llm}, 16, chunks=1, repeats=2).items()}
+    bare = limit_from(rounds, {"my_draft": llm})["my_draft"]
     assert bare.t_draft_1 > 0 and bare.step_s(1.0) > bare.t_target_1
 
 

@@ -337,7 +337,7 @@ def test_after_other_forward_times_run_the_other_model_before_each_timed_call(ta
     # drafting just before every timed call (as a step runs them); t_draft_1_after_target:
     # the drafting timed with a bare verification forward just before every timed call;
     # both only when asked for.
-    from specdec.measure import ForwardTimes, limit_forward_times, step_breakdown
+    from specdec.measure import ForwardTimes, limit_from, limit_runs, step_breakdown
     from specdec.spec.metrics import RunStats
 
     _, llm = generate(target, DraftModelConfig(path=str(target.path), num_speculative_tokens=3),
@@ -358,13 +358,18 @@ def test_after_other_forward_times_run_the_other_model_before_each_timed_call(ta
         return t
 
     proposer.draft_forward_time = counted
-    plain = limit_forward_times({"m": llm}, 16, rounds=2, repeats=3)["m"]
+
+    def limit(**after) -> ForwardTimes:  # one timed pass of each bare forward (2 rounds of 3 calls), as a run's
+        runs = limit_runs({"m": llm}, 16, chunks=2, repeats=3, **after)
+        return limit_from({k: [r.fn()] for k, r in runs.items()}, {"m": llm})["m"]
+
+    plain = limit()
     assert plain.t_target_g1_after_draft is None and plain.t_draft_1_after_target is None  # not measured
     assert plain.step_s(3.0, after_other=True) is None  # ... so not replaced by the bare ones
     assert (plain.max_rows, plain.draft_forwards, plain.max_drafts) == (4, 3.0, 3)  # a chain of γ = 3
     assert calls == [(3, 3, 0), (3, 3, 0)]  # T_draft(1) once per round
     calls.clear()
-    t = limit_forward_times({"m": llm}, 16, rounds=2, repeats=3, after_other=True)["m"]
+    t = limit(after_other=True)
     # Per round: T_draft(1) (3 repeats); one drafting (1 call, no warm-up: as a step drafts
     # once) before each of 3 timed verification forwards; T_draft(1) again with a
     # verification forward before each of its 3.
