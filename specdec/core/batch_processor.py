@@ -9,7 +9,7 @@ requests address that replica's KV cache.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, is_dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -17,7 +17,7 @@ import torch
 
 from specdec.core.context import TextContext
 from specdec.core.graphs import context_bucket, graph_bucket
-from specdec.core.inputs import DecoderInputs, DecoderOutputs, KVCacheTensors, MaskKind, ModelOutputs
+from specdec.core.inputs import DecoderInputs, DecoderOutputs, MaskKind, ModelOutputs, map_tensors
 from specdec.core.kv_cache import BlockTable, PagedKVCache, block_table_array
 from specdec.core.state_store import RequestStateStore
 
@@ -33,6 +33,7 @@ class BatchProcessorRuntime:
     # Batch sizes a padded packing rounds up to (specdec.core.graphs; CUDA graphs on one
     # replica); None: packings are never padded.
     graph_buckets: tuple[int, ...] | None = None
+    compiled: bool = False  # the decoders are compiled (runtime.compile): no StepBuffers (step_buffers_serve)
 
     @property
     def data_parallel_degree(self) -> int:
@@ -76,30 +77,22 @@ class DecoderBatchProcessor:
             runtime.kv_caches[0].reserve(self._scratch, 1)
         # Off CPU: a step's host-built index tensors go to the device in one copy through it.
         self.staging = HostStaging(runtime.device) if torch.device(runtime.device).type != "cpu" else None
-        # One-request decode steps on a single CPU replica reuse one set of index tensors.
-        self._decode_buffers = (DecodeBuffers(runtime.kv_caches[0].block_size, runtime.max_seq_len)
-                                if runtime.data_parallel_degree == 1 and torch.device(runtime.device).type == "cpu"
-                                else None)
+        # One-request decode steps reuse one set of index tensors where they serve.
+        self._step_buffers = (StepBuffers(runtime.kv_caches[0], runtime.max_seq_len)
+                              if step_buffers_serve(runtime.device, runtime.compiled, runtime.data_parallel_degree)
+                              else None)
 
     def pack_decode(self, ctx: TextContext) -> DecoderInputs | None:
         """The inputs of feeding ``ctx`` its one unprocessed token (a plain decode step of a
-        batch of one), in this processor's reused step buffers; None where they do not
-        serve (another device, data parallelism, or ``ctx`` has more than one token to feed):
-        pack with :meth:`prepare_initial_token_inputs` then. The same values, shapes and
-        flags as that packing, and its table advances the same way; the inputs are valid
-        until the next call: run them at once and keep nothing of them."""
-        bufs = self._decode_buffers
-        if bufs is None:
+        batch of one), in this processor's :class:`StepBuffers`; None where they do not
+        serve (:func:`step_buffers_serve`, or ``ctx`` has more than one token to feed): pack
+        with :meth:`prepare_initial_token_inputs` then. The same values, shapes and flags as
+        that packing, and its table advances the same way; the inputs are valid until the
+        next call: run them at once and keep nothing of them."""
+        bufs = self._step_buffers
+        if bufs is None or ctx.kv[self.runtime.cache_name].num_tokens + 1 != len(ctx.tokens):
             return None
-        table = ctx.kv[self.runtime.cache_name]
-        start = table.num_tokens
-        if start + 1 != len(ctx.tokens):
-            return None
-        if len(table.blocks) * bufs.block_size <= start:  # (the scheduler reserved it: a no-op then)
-            self.runtime.kv_caches[0].reserve(table, start + 1)
-        inputs = bufs.pack(ctx.tokens[start], start, table.blocks)
-        table.num_tokens = start + 1
-        return inputs
+        return bufs.pack_inputs(ctx, 1)[0]
 
     # -- packing ----------------------------------------------------------------
     def prepare_initial_token_inputs(
@@ -254,12 +247,17 @@ class HostStaging:
         device, in one :meth:`copy`."""
         found: list[torch.Tensor] = []
         for o in objs:
-            _host_tensors(o, found)
+            map_tensors(o, lambda t: found.append(t) if _staged(t) else None)
         if not found:
             return objs
-        flat = self.copy(found)
-        views = iter(flat)
-        return tuple(_with_tensors(o, views, self.device) for o in objs)
+        views = iter(self.copy(found))
+
+        def put(t: torch.Tensor) -> torch.Tensor:  # (the same walk: each staged tensor's view comes next)
+            if _staged(t):
+                return next(views)
+            return t.to(self.device, non_blocking=True)
+
+        return tuple(map_tensors(o, put) for o in objs)
 
     def copy(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """``tensors`` (host, int64) on the device, through one host-to-device copy."""
@@ -283,99 +281,157 @@ class HostStaging:
         return buf.clone() if self.device.type == "cpu" else buf.to(self.device, non_blocking=True)
 
 
-def _host_tensors(obj: Any, out: list[torch.Tensor]) -> None:
-    """Appends ``obj``'s host int64 tensors (its own, its dataclass fields', a list's), in the
-    order :func:`_with_tensors` puts them back."""
-    if isinstance(obj, torch.Tensor):
-        if obj.device.type == "cpu" and obj.dtype == torch.long:
-            out.append(obj)
-    elif isinstance(obj, list):
-        for x in obj:
-            _host_tensors(x, out)
-    elif is_dataclass(obj) and not isinstance(obj, (type, KVCacheTensors)):
-        for f in fields(obj):
-            _host_tensors(getattr(obj, f.name), out)
+def _staged(t: torch.Tensor) -> bool:
+    """A tensor :class:`HostStaging` moves in its one copy: host int64 (the packer's)."""
+    return t.device.type == "cpu" and t.dtype == torch.long
 
 
-def _with_tensors(obj: Any, views: Any, device: torch.device) -> Any:
-    """``obj`` with each tensor :func:`_host_tensors` found replaced by the next of ``views``
-    (other tensors moved on their own); a copy where anything changed."""
-    if isinstance(obj, torch.Tensor):
-        if obj.device.type == "cpu" and obj.dtype == torch.long:
-            return next(views)
-        return obj if obj.device == device else obj.to(device, non_blocking=True)
-    if isinstance(obj, list):
-        return [_with_tensors(x, views, device) for x in obj] if obj and not isinstance(obj[0], int) else obj
-    if is_dataclass(obj) and not isinstance(obj, (type, KVCacheTensors)):
-        changes = {}
-        for f in fields(obj):
-            v = getattr(obj, f.name)
-            nv = _with_tensors(v, views, device)
-            if nv is not v:
-                changes[f.name] = nv
-        return replace(obj, **changes) if changes else obj
-    return obj
+def step_buffers_serve(device: torch.device | str, compiled: bool, data_parallel_degree: int) -> bool:
+    """Where :class:`StepBuffers` pack a batch of one: a CPU run (nothing to copy to a device),
+    one replica, not compiled."""
+    # Compiled, outputs stay exact, but a graph guards on its inputs' strides and dispatch keys, which
+    # the buffers' tensors do not share with a fresh packing's: a second graph, compiled mid-run.
+    return torch.device(device).type == "cpu" and not compiled and data_parallel_degree == 1
 
 
-class DecodeBuffers:
-    """The index tensors of a one-request, one-token decode step, allocated once and
-    rewritten in place each step through numpy views of the same memory: packing such a
-    step creates no tensor (a new context length: one view of the slot buffer, kept).
+class _Shape:
+    """The tensors of steps of one shape (``ln`` rows, ``n`` logit rows, ``look`` of the rows
+    placeholders): row tensors rewritten in place each step through numpy views of their
+    memory (``np``), index tensors constant for the shape (:func:`_pack_one`'s values)."""
+
+    def __init__(self, ln: int, n: int, look: int) -> None:
+        self.np = [np.zeros(ln, dtype=np.int64) for _ in range(4)]  # tokens, positions, slot, q_pos
+        self.tokens, self.positions, self.slot = (torch.from_numpy(a) for a in self.np[:3])
+        self.q_pos = torch.from_numpy(self.np[3].reshape(1, ln))
+        self.q_index = torch.arange(ln).view(1, ln)  # one request's rows are its queries, in order
+        self.out_index = torch.arange(ln)
+        r = np.arange(max(ln, n, look + 1))
+        self.draft_index: torch.Tensor | None = None
+        if look:
+            first = ln - look - 1  # the last real row
+            self.logit_index = torch.from_numpy(np.minimum(first + r[:n], ln - 1))
+            self.draft_index = torch.from_numpy((first + 1 + r[:look]).reshape(1, look))
+        else:
+            self.logit_index = torch.from_numpy(np.maximum(ln - n + r[:n], 0))
+
+
+class StepBuffers:
+    """The index tensors of one request's steps over one paged ``cache``, allocated once per
+    shape and rewritten in place each step through numpy views of the same memory: a plain
+    decode step (:meth:`DecoderBatchProcessor.pack_decode`), a speculative step's target rows,
+    a draft model's catch-up and γ - 1 step slots, an EAGLE head's rows.
 
     Host work between two forwards runs on caches the forward's weight reads left cold, so
-    each tensor a step creates costs tens of microseconds there, not the 2-3 of a warm
-    loop; a plain batch-1 step packed nine of them.
-    ``pack`` gives the same tensors :func:`_pack_one` builds for it (values, shapes,
-    dtypes, flags) in one reused :class:`DecoderInputs`, valid until the next ``pack``."""
+    each tensor a step creates costs tens of microseconds there, not the 2-3 of a warm loop.
+    :meth:`pack` gives the values, shapes, dtypes and flags :func:`_pack_one` builds, and
+    advances the request's table as :meth:`DecoderBatchProcessor.prepare_initial_token_inputs`
+    does; what a step gets is valid until these buffers pack the next: run it at once and
+    keep nothing of it. Where they serve: :func:`step_buffers_serve`."""
 
-    def __init__(self, block_size: int, max_seq_len: int) -> None:
-        self.block_size = block_size
-        z = lambda *shape: torch.zeros(shape, dtype=torch.long)  # noqa: E731
-        self.tokens, self.positions, self.slot, self.context_lengths = z(1), z(1), z(1), z(1)
-        self.q_pos = z(1, 1)
-        # Constant for such a step: its one query is packed row 0, its logits row 0.
-        self.q_index, self.out_index, self.logit_index = z(1, 1), z(1), z(1)
-        self._np = [t.numpy() for t in (self.tokens, self.positions, self.slot, self.context_lengths, self.q_pos)]
+    def __init__(self, cache: PagedKVCache, max_seq_len: int) -> None:
+        self.cache = cache
+        self.block_size = cache.block_size
+        self._shapes: dict[tuple[int, int, int], _Shape] = {}
+        self._small: dict[tuple[str, tuple[int, ...]], tuple[torch.Tensor, np.ndarray]] = {}
+        self._slots: dict[int, torch.Tensor] = {}  # state-store slot -> its [1] tensor (read-only)
+        self.context_lengths = torch.zeros(1, dtype=torch.long)
+        self._ctx_np = self.context_lengths.numpy()
         self._grow(max_seq_len)
-        # (one DecoderInputs too: each step sets only its slot view)
-        self.inputs = DecoderInputs(
-            tokens=self.tokens, positions=self.positions, slot_mapping=self.slot, gather_slots=self.gather[:, :1],
-            q_index=self.q_index, q_pos=self.q_pos, out_index=self.out_index, logit_index=self.logit_index,
-            context_lengths=self.context_lengths, single_request=True, mask=MaskKind.NONE,
-            data_parallel_splits=[0, 1],
-        )
 
     def _grow(self, num_tokens: int) -> None:
         """A slot buffer for contexts of up to ``num_tokens`` tokens (whole blocks)."""
         cap = -(-num_tokens // self.block_size) * self.block_size
-        self.gather = torch.zeros(1, cap, dtype=torch.long)
-        self._gather_np = self.gather.numpy()[0]
-        self._views: dict[int, torch.Tensor] = {}  # context length -> gather[:, :length]
-        self._blocks: list[int] = []  # the block ids whose slots the buffer holds, in order
+        self._gather = torch.zeros(1, cap, dtype=torch.long)
+        self._gather_np = self._gather.numpy()[0]
+        self._views: dict[int, torch.Tensor] = {}  # width -> gather[:, :width]
+        self._held: list[int] = []  # block ids whose slots the buffer holds, in order, whole
 
-    def pack(self, token: int, start: int, blocks: list[int]) -> DecoderInputs:
-        """Inputs feeding ``token`` at position ``start`` of a request whose KV blocks are
-        ``blocks`` (reserved past ``start``)."""
+    def gather(self, blocks: list[int], width: int) -> torch.Tensor:
+        """``[1, width]`` KV slot of each position 0 … width - 1 for a request holding ``blocks``;
+        a position past them takes its last block's (as ``block_table_array``'s clamped
+        packing does: a padded draft step's, never read)."""
         bs = self.block_size
-        ctx = start + 1
-        nb = -(-ctx // bs)
-        if nb * bs > self._gather_np.shape[0]:
-            self._grow(nb * bs)
-        if blocks[:nb] != self._blocks[:nb]:  # another request, or a new block: write its slots
-            held = blocks[:nb]
-            self._gather_np[: nb * bs] = (np.asarray(held, dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
-            self._blocks = held
-        tok, pos, slot, ctx_len, q_pos = self._np
-        tok[0] = token
-        pos[0] = start
-        q_pos[0, 0] = start
-        slot[0] = blocks[start // bs] * bs + start % bs
-        ctx_len[0] = ctx
-        gather = self._views.get(ctx)
-        if gather is None:
-            gather = self._views[ctx] = self.gather[:, :ctx]
-        self.inputs.gather_slots = gather
-        return self.inputs
+        if width > self._gather_np.shape[0]:
+            self._grow(width)
+        if len(blocks) * bs < width:  # positions past the blocks held: clamped, written whole
+            p = np.arange(width)
+            held = np.asarray(blocks, dtype=np.int64)
+            self._gather_np[:width] = held[np.minimum(p // bs, len(blocks) - 1)] * bs + p % bs
+            self._held = list(blocks)
+        else:  # whole blocks, only those not written yet (all of them for another request)
+            nb, k = -(-width // bs), len(self._held)
+            if blocks[:k] != self._held:
+                k = 0
+            if k < nb:
+                new = np.asarray(blocks[k:nb], dtype=np.int64)
+                self._gather_np[k * bs: nb * bs] = (new[:, None] * bs + np.arange(bs)).reshape(-1)
+                self._held = blocks[:nb]
+        view = self._views.get(width)
+        if view is None:
+            view = self._views[width] = self._gather[:, :width]
+        return view
+
+    def slots_at(self, positions: np.ndarray) -> np.ndarray:
+        """The slots of ``positions`` in the last :meth:`gather` (host values, no tensor op)."""
+        return self._gather_np[positions]
+
+    def small(self, name: str, values: list[int] | np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+        """A reused int64 tensor of ``shape`` holding ``values`` (one per name and shape)."""
+        entry = self._small.get((name, shape))
+        if entry is None:
+            t = torch.zeros(shape, dtype=torch.long)
+            entry = self._small[(name, shape)] = (t, t.numpy().reshape(-1))
+        entry[1][:] = values
+        return entry[0]
+
+    def slot_tensor(self, slot: int) -> torch.Tensor:
+        t = self._slots.get(slot)
+        if t is None:
+            t = self._slots[slot] = torch.tensor([slot], dtype=torch.long)
+        return t
+
+    def pack(self, ctx: TextContext, num_new: int, *, lookahead: int = 0, return_n_logits: int = 1,
+             slot: int | None = None) -> PackedBatch:
+        """:meth:`DecoderBatchProcessor.prepare_initial_token_inputs` of ``ctx`` alone: its
+        next ``num_new`` tokens, then ``lookahead`` placeholder rows; reserves and advances
+        its table in this cache as that does. ``slot``: its state-store slot (``state_slots``)."""
+        inputs, draft_index = self.pack_inputs(ctx, num_new, lookahead=lookahead, return_n_logits=return_n_logits)
+        return PackedBatch(inputs, [ctx], [num_new], [lookahead], draft_index, return_n_logits,
+                           self.slot_tensor(slot) if slot is not None else None)
+
+    def pack_inputs(self, ctx: TextContext, num_new: int, *, lookahead: int = 0,
+                    return_n_logits: int = 1) -> tuple[DecoderInputs, torch.Tensor | None]:
+        """:meth:`pack`'s inputs and ``draft_index`` only (no :class:`PackedBatch`)."""
+        table = ctx.kv[self.cache.name]
+        start = table.num_tokens
+        ln = num_new + lookahead
+        if num_new < 1 or start + num_new > len(ctx.tokens):
+            raise ValueError(f"request {ctx.request_id!r}: cannot feed {num_new} tokens from position {start}")
+        end = start + ln
+        if len(table.blocks) * self.block_size < end:  # (the scheduler reserved it: a no-op then)
+            self.cache.reserve(table, end)
+        s = self._shapes.get((ln, return_n_logits, lookahead))
+        if s is None:
+            s = self._shapes[(ln, return_n_logits, lookahead)] = _Shape(ln, return_n_logits, lookahead)
+        gather = self.gather(table.blocks, end)
+        tok, pos, slot, q_pos = s.np
+        if ln == 1:  # a decode step: scalar writes
+            tok[0], pos[0], q_pos[0], slot[0] = ctx.tokens[start], start, start, self._gather_np[start]
+        else:
+            tok[:num_new] = ctx.tokens[start:start + num_new]
+            tok[num_new:] = 0
+            pos[:] = q_pos[:] = np.arange(start, end)
+            slot[:] = self._gather_np[start:end]
+        self._ctx_np[0] = end
+        table.num_tokens = end
+        inputs = DecoderInputs(
+            tokens=s.tokens, positions=s.positions, slot_mapping=s.slot, gather_slots=gather, q_index=s.q_index,
+            q_pos=s.q_pos, out_index=s.out_index, logit_index=s.logit_index, context_lengths=self.context_lengths,
+            single_request=True,
+            mask=MaskKind.NONE if ln == 1 else MaskKind.CAUSAL if start == 0 else MaskKind.EXPLICIT,
+            data_parallel_splits=[0, 1], kv_cache=self.cache.tensors,
+        )
+        return inputs, s.draft_index
 
 
 def _pack(
@@ -628,4 +684,6 @@ __all__ = [
     "DecoderBatchProcessor",
     "PackedBatch",
     "split_replicas",
+    "step_buffers_serve",
+    "StepBuffers",
 ]

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from enum import IntEnum
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -108,25 +109,37 @@ class DecoderInputs:
 D = TypeVar("D")
 
 
+def map_tensors(obj: D, fn: Callable[[torch.Tensor], torch.Tensor | None]) -> D:
+    """``obj`` (a tensor, a dataclass, a list, or anything else, kept) with each tensor ``t``
+    in it, nested dataclasses and lists included, replaced by ``fn(t)`` (kept where that is
+    None or ``t``); a copy where anything changed, ``obj`` itself where nothing did. A KV
+    cache's tensors are left alone (the cache stays where it is)."""
+    if isinstance(obj, torch.Tensor):
+        new = fn(obj)
+        return obj if new is None else new  # type: ignore[return-value]
+    if isinstance(obj, list):
+        items = [map_tensors(x, fn) for x in obj]
+        return items if any(a is not b for a, b in zip(items, obj)) else obj  # type: ignore[return-value]
+    if is_dataclass(obj) and not isinstance(obj, (type, KVCacheTensors)):
+        changes = {}
+        for f in fields(obj):
+            v = getattr(obj, f.name)
+            nv = map_tensors(v, fn)
+            if nv is not v:
+                changes[f.name] = nv
+        return replace(obj, **changes) if changes else obj  # type: ignore[type-var]
+    return obj
+
+
 def move_tensors(obj: D, device: torch.device | str) -> D:
-    """A copy of host-built dataclass ``obj`` with its tensor fields (and those
-    of nested dataclasses) on ``device``; ``obj`` itself when nothing moves.
-    The packers build a step's index tensors on the host; this puts them where
+    """A copy of host-built dataclass ``obj`` with its tensors (and those of nested
+    dataclasses and lists: :func:`map_tensors`) on ``device``; ``obj`` itself when nothing
+    moves. The packers build a step's index tensors on the host; this puts them where
     the model is. For a CPU model it returns at once (nothing to move)."""
-    if torch.device(device).type == "cpu":
+    dev = torch.device(device)
+    if dev.type == "cpu":
         return obj
-    changes: dict[str, Any] = {}
-    for f in fields(obj):  # type: ignore[arg-type]
-        v = getattr(obj, f.name)
-        if isinstance(v, torch.Tensor) and v.device != torch.device(device):
-            changes[f.name] = v.to(device, non_blocking=True)
-        elif is_dataclass(v) and not isinstance(v, type) and not isinstance(v, KVCacheTensors):
-            moved = move_tensors(v, device)
-            if moved is not v:
-                changes[f.name] = moved
-        elif isinstance(v, list) and v and is_dataclass(v[0]):
-            changes[f.name] = [move_tensors(x, device) for x in v]
-    return replace(obj, **changes) if changes else obj  # type: ignore[type-var]
+    return map_tensors(obj, lambda t: None if t.device == dev else t.to(dev, non_blocking=True))
 
 
 @dataclass

@@ -370,6 +370,7 @@ def registered_pipeline_model(
         max_seq_len=runtime.max_seq_len + extra_tokens,
         device=runtime.device,
         graph_buckets=graph_buckets(runtime.max_batch_size) if graphs else None,
+        compiled=runtime.compile,
     )
     processor = processor_cls(config, rt)
     return DecoderPipelineModel(modules, config, processor, runtime, path=loaded.path,

@@ -17,7 +17,7 @@ docs/architecture.md)::
 
 Every device-to-host read of a step goes through :meth:`SpecDecodePipelineModel._read`,
 which counts them (``RunStats.host_syncs``): one per step (tests/spec/test_host_syncs.py).
-A step of one request on a CPU packs into reused buffers (spec/step_buffers.py).
+A step of one request packs into reused buffers where they serve (core ``StepBuffers``).
 
 The draft and target batch processors share one :class:`RequestStateStore`
 (sampling parameters and seed, drafts waiting for the next step, the proposer's
@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from specdec.core.batch_processor import StepBuffers, step_buffers_serve
 from specdec.core.context import RequestFailure, TextContext
 from specdec.core.pipeline_model import DecoderPipelineModel, PlainGeneration, non_finite
 from specdec.core.state_store import RequestStateStore, StateSpec
@@ -41,7 +42,6 @@ from specdec.spec.draft_and_verify import DraftAndVerify, StepOutput
 from specdec.spec.gamma import AdaptiveGamma, GammaPolicyConfig
 from specdec.spec.metrics import RunStats, SpecCounts
 from specdec.spec.proposers.base import DraftBatch, Proposer
-from specdec.spec.step_buffers import OneRequestBuffers, serves
 from specdec.spec.verify import describe_fault
 
 __all__ = ["DraftAndVerify", "SpecConfig", "SpecDecodePipelineModel", "StepOutput", "state_specs"]
@@ -129,10 +129,10 @@ class SpecDecodePipelineModel:
         self.num_target_forwards = 0
         self.num_spec_steps = 0  # _spec_step calls (the step-time breakdown's steps)
         self.num_host_syncs = 0  # device-to-host reads of the draft-and-verify steps (_read)
-        # A one-request step's target packing, in reused buffers where they serve (CPU, eager).
+        # A one-request step's target packing, in reused buffers where they serve.
         rt = target.runtime
-        self._one = (OneRequestBuffers(target.caches[0], max_seq_len + config.num_speculative_tokens + 1)
-                     if serves(self.device, rt.compile, rt.data_parallel_degree) else None)
+        self._one = (StepBuffers(target.caches[0], max_seq_len + config.num_speculative_tokens + 1)
+                     if step_buffers_serve(self.device, rt.compile, rt.data_parallel_degree) else None)
         # Drafts waiting in the state store per request (a drafter that drafts after
         # verification): 0 until its first step, and again after a preemption.
         self._ready: dict[int, int] = {}
@@ -354,7 +354,7 @@ class SpecDecodePipelineModel:
                                    first_position=torch.tensor(lens, device=self.device))
         elif gamma:  # (a proposer's batch carries its drafts' counts on the host, or they are read)
             assert draft is not None
-            host = getattr(draft, "num_draft_host", None)
+            host = draft.num_draft_host
             look = list(host) if host is not None else self._read(draft.num_draft)
         num_draft = draft.num_draft if draft is not None else torch.zeros(len(fed), dtype=torch.long, device=self.device)
         # Each request verifies only its own drafts (no placeholder rows up to the step's γ).

@@ -16,13 +16,14 @@ import pytest
 import torch
 
 from specdec.core.backend import backend_of, load_backend
-from specdec.core.batch_processor import _pack
 from specdec.core.inputs import KVCacheTensors
 from specdec.core.kernels import cpu_kernels_available
 from specdec.core.linear import pack_layers
 from specdec.models.config import LlamaConfig
 from specdec.models.llama import LlamaDecoder
 from specdec.spec.tree import tree_attention_mask
+
+from packing import pack_rows  # tests/packing.py
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="specdec's CPU kernels did not build here")
 
@@ -48,7 +49,7 @@ def _run(model: LlamaDecoder, native: bool, steps: list, cache: KVCacheTensors, 
     outs = []
     with torch.inference_mode():
         for toks, starts, lens, extra in steps:
-            inputs, _ = _pack(toks, starts, lens, TABLES[: len(lens)], BLOCK, 1, [0] * len(lens))
+            inputs = pack_rows(toks, starts, lens, TABLES[: len(lens)], BLOCK)
             inputs.kv_cache = cache
             inputs.logit_index = torch.arange(len(toks))
             for k, v in {**fields, **extra}.items():
@@ -100,7 +101,7 @@ def test_and_with_biases_a_window_and_captured_layers():
 def test_a_prompt_beside_decoding_requests_attends_in_groups_with_the_same_bits():
     model = _decoder()
     long = [t % 60 + 1 for t in range(90)]
-    inputs, _ = _pack([4, 7] + long, [80, 70, 0], [1, 1, len(long)], TABLES, BLOCK, 1, [0, 0, 0])
+    inputs = pack_rows([4, 7] + long, [80, 70, 0], [1, 1, len(long)], TABLES, BLOCK)
     assert inputs.attention_groups, "the packer should have split this batch"
     _both(model, [(long[:80] + long[:70], [0, 0], [80, 70], {}),  # two prompts, then a third beside them
                   ([4, 7] + long, [80, 70, 0], [1, 1, len(long)], {})])
@@ -127,7 +128,7 @@ def test_it_stands_aside_where_it_cannot_serve(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(backend, "stack", lambda *a: calls.append(1) or real(*a))
     qwen3 = backend_of(_decoder(qk_norm=True))  # Qwen3's q/k norms: the loop
     assert qwen3.kind == "eager" and qwen3.draft_chain is None and qwen3.compile_around
-    inputs, _ = _pack(PROMPTS[0], [0], [9], TABLES[:1], BLOCK, 1, [0])
+    inputs = pack_rows(PROMPTS[0], [0], [9], TABLES[:1], BLOCK)
     shape = (3, 18 * BLOCK, 2, 16)
     inputs.kv_cache = KVCacheTensors(k=torch.zeros(shape), v=torch.zeros(shape))
     with torch.inference_mode():
@@ -140,7 +141,7 @@ def test_it_stands_aside_where_it_cannot_serve(monkeypatch: pytest.MonkeyPatch):
 
 def test_a_token_outside_the_vocabulary_is_an_error_that_names_it():
     model = _decoder()
-    inputs, _ = _pack([5, 999], [0], [2], TABLES[:1], BLOCK, 1, [0])
+    inputs = pack_rows([5, 999], [0], [2], TABLES[:1], BLOCK)
     shape = (3, 18 * BLOCK, 2, 16)
     inputs.kv_cache = KVCacheTensors(k=torch.zeros(shape), v=torch.zeros(shape))
     with torch.inference_mode(), pytest.raises(RuntimeError, match="token id 999 outside"):
@@ -165,7 +166,7 @@ def test_the_draft_steps_give_the_python_chain_s_drafts_and_cache_writes():
     with torch.inference_mode():
         logits = []
         for cache in caches:
-            inputs, _ = _pack(prompt, [0], [len(prompt)], TABLES[:1], BLOCK, 1, [0])
+            inputs = pack_rows(prompt, [0], [len(prompt)], TABLES[:1], BLOCK)
             inputs.kv_cache = cache
             logits.append(model(inputs).logits)
         assert torch.equal(logits[0], logits[1])

@@ -1,5 +1,4 @@
-"""One device-to-host read per speculative step, and reused step buffers that pack what
-the general packer packs (issues 58, 59).
+"""One device-to-host read per speculative step (issues 58, 59).
 
 Every read of a tensor's values into Python (``tolist``, ``item``, ``int``/``bool``/
 ``float`` of a tensor, ``numpy``) during steady-state engine steps is counted by patching
@@ -12,17 +11,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from specdec.api import LLM
-from specdec.core.batch_processor import _pack_one
-from specdec.core.context import SamplingParams, TextContext
-from specdec.core.kv_cache import BlockTable, KVCacheParams, PagedKVCache
+from specdec.core.context import SamplingParams
 from specdec.core.pipeline_model import RuntimeConfig
 from specdec.engine import EngineConfig
-from specdec.spec.step_buffers import OneRequestBuffers
 from specdec.spec.verify import accept_greedy_chain, chain_fault, greedy_chain_readout, verify_greedy
 
 ZOO = Path(__file__).parents[2] / "specdec" / "zoo"
@@ -113,33 +108,3 @@ def test_greedy_chain_verified_on_the_host_as_on_the_device() -> None:
             toks, k, f = accept_greedy_chain(rows[i], g, int(num_draft[i]))
             assert (k, f) == (int(acc[i]), int(fault[i]))
             assert toks == out[i, : k + 1].tolist()
-
-
-def test_one_request_buffers_pack_what_the_packer_packs() -> None:
-    """Reused buffers give _pack_one's values, shapes and flags, step after step (the
-    buffers rewritten between), blocks changing under them and placeholder rows or not."""
-    bs = 4
-    cache = PagedKVCache(KVCacheParams(num_layers=1, num_kv_heads=1, head_dim=2, block_size=bs, num_blocks=64,
-                                       dtype=torch.float32, device="cpu"), "t")
-    one = OneRequestBuffers(cache, 8)  # small: it grows
-    for start, num_new, look, n in [(0, 5, 0, 1), (5, 1, 4, 5), (9, 1, 4, 5), (9, 2, 0, 1), (17, 1, 2, 5),
-                                    (30, 1, 0, 1), (3, 1, 1, 2)]:
-        tokens = list(range(100, 100 + start + num_new))
-        ctx = TextContext(request_id="r", tokens=tokens, prompt_len=len(tokens), sampling=SamplingParams())
-        table = ctx.kv["t"] = BlockTable(num_tokens=start)
-        cache.reserve(table, start + num_new + look)
-        table.blocks.reverse()  # (any order of blocks)
-        packed = one.pack(ctx, num_new, lookahead=look, return_n_logits=n, slot=3)
-        ref, draft_index = _pack_one(ctx.tokens[start:] + [0] * look, start, num_new + look, table.blocks, bs, n, look)
-        got = packed.inputs
-        for f in ("tokens", "positions", "slot_mapping", "gather_slots", "q_index", "q_pos", "out_index",
-                  "logit_index", "context_lengths"):
-            a, e = getattr(got, f), getattr(ref, f)
-            assert a.shape == e.shape and a.dtype == e.dtype and a.equal(e), f
-        assert (got.mask, got.single_request) == (ref.mask, ref.single_request)
-        assert (draft_index is None) == (packed.draft_index is None)
-        if draft_index is not None:
-            assert packed.draft_index.equal(draft_index)
-        assert table.num_tokens == start + num_new + look and packed.state_slots.tolist() == [3]
-        assert np.array_equal(one.slots_at(np.arange(start)), ref.gather_slots[0, :start].numpy())
-        cache.free(table)

@@ -46,13 +46,13 @@ import numpy as np
 import torch
 
 from specdec.core.backend import backend_of
+from specdec.core.batch_processor import StepBuffers, step_buffers_serve
 from specdec.core.context import TextContext
 from specdec.core.inputs import DecoderInputs, KVCacheTensors, MaskKind, move_tensors
 from specdec.core.kv_cache import OutOfBlocks, block_table_array
 from specdec.core.pipeline_model import DecoderPipelineModel, compile_method, registered_pipeline_model
 from specdec.sampling import SamplingTensors, draw_drafts
 from specdec.spec.forward_time import bare_batch, forward_time, time_calls
-from specdec.spec.step_buffers import OneRequestBuffers, serves
 from specdec.spec.tree import (
     StaticShape,
     StaticShapes,
@@ -94,7 +94,6 @@ class DraftModelBatch(DraftBatch):
     # A tree step: draft KV slot of each tree row [B, R] (rows after the context;
     # gather_slots then covers the context only, S = max_len).
     tree_slots: torch.Tensor | None = None
-    num_draft_host: list[int] | None = None  # num_draft on the host (the step verifies that many rows each)
 
 
 class DraftModelDrafter(Drafter):
@@ -266,12 +265,12 @@ class DraftModelProposer(Proposer):
         self.drafter = DraftModelDrafter(self.pipeline, self.tree, config.num_speculative_tokens)
         self._one = self._step_buffers()
 
-    def _step_buffers(self) -> OneRequestBuffers | None:
-        """A one-request chain step's packing in reused buffers, where they serve (spec/step_buffers.py)."""
+    def _step_buffers(self) -> StepBuffers | None:
+        """A one-request chain step's packing in reused buffers, where they serve (core ``StepBuffers``)."""
         p = self.pipeline
-        if self.tree is not None or not serves(p.device, p.runtime.compile, p.runtime.data_parallel_degree):
+        if self.tree is not None or not step_buffers_serve(p.device, p.runtime.compile, p.runtime.data_parallel_degree):
             return None
-        return OneRequestBuffers(p.caches[0], p.runtime.max_seq_len + self.config.num_speculative_tokens + 1)
+        return StepBuffers(p.caches[0], p.runtime.max_seq_len + self.config.num_speculative_tokens + 1)
 
     def drafter_spec(self) -> DrafterSpec:
         """Its draft decoder (costs, catch-up derived from it); a tree: γ is its node budget,
@@ -329,12 +328,10 @@ class DraftModelProposer(Proposer):
             # A decode step's catch-up, every draft slot in the blocks the request holds.
             if 1 <= unseen <= gamma + 1 and len(table.blocks) * one.block_size >= len(c.tokens) + steps:
                 return self._pack_chain_one(c, one.pack(c, unseen).inputs, gamma, num_draft, one)
-        batch_ = self._pack_chain(batch, self.pipeline.prepare(batch).inputs, gamma, num_draft)
-        batch_.num_draft_host = num_draft
-        return batch_
+        return self._pack_chain(batch, self.pipeline.prepare(batch).inputs, gamma, num_draft)
 
     def _pack_chain_one(self, ctx: TextContext, catch_up: DecoderInputs, gamma: int, num_draft: list[int],
-                        one: OneRequestBuffers) -> DraftModelBatch:
+                        one: StepBuffers) -> DraftModelBatch:
         """:meth:`_pack_chain` of one request in the reused buffers ``one``: the same values."""
         steps = max(gamma - 1, 0)
         n = len(ctx.tokens)
@@ -374,6 +371,7 @@ class DraftModelProposer(Proposer):
             step_slots=torch.from_numpy(slots),
             gather_slots=torch.from_numpy(np.ascontiguousarray(gather)),  # fancy indexing may give F order
             max_len=int(lens.max()),
+            num_draft_host=num_draft,
         ), self.pipeline.device)
 
     def draft_forward_time(self, ctx_len: int, repeats: int = 10, *,

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from specdec.core.backend import backend_of, load_backend
-from specdec.core.batch_processor import PackedBatch
+from specdec.core.batch_processor import PackedBatch, StepBuffers, step_buffers_serve
 from specdec.core.checkpoint import CheckpointError, load_decoder
 from specdec.core.context import TextContext
 from specdec.core.inputs import DecoderInputs, KVCacheTensors, MaskKind
@@ -60,7 +60,6 @@ from specdec.core.registry import Role
 from specdec.models.eagle import EagleHead, check_head_fits
 from specdec.sampling import SamplingTensors, draw_drafts
 from specdec.spec.forward_time import time_calls
-from specdec.spec.step_buffers import OneRequestBuffers, serves
 from specdec.spec.tree import (
     StaticShape,
     StaticShapes,
@@ -314,9 +313,10 @@ class EagleProposer(Proposer):
         self.target_cache = target.cache_name
         self.drafter = EagleDrafter(head, self.tree, max_gamma=g, fuse_on=self.device if rt.compile else None)
         self._index: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        # A one-request chain step's packing in reused buffers, where they serve (spec/step_buffers.py).
-        self._one = (OneRequestBuffers(self.cache, self.max_positions)
-                     if self.tree is None and serves(rt.device, rt.compile, rt.data_parallel_degree) else None)
+        # A one-request chain step's packing in reused buffers, where they serve (core StepBuffers).
+        self._one = (StepBuffers(self.cache, self.max_positions)
+                     if self.tree is None and step_buffers_serve(rt.device, rt.compile, rt.data_parallel_degree)
+                     else None)
 
     def drafter_spec(self) -> DrafterSpec:
         """Drafts after verification from the target's features (every packed row, and the
@@ -412,7 +412,7 @@ class EagleProposer(Proposer):
         )
 
     def _prepare_one(self, ctx: TextContext, packed: PackedBatch, gamma: int,
-                     one: OneRequestBuffers) -> EagleStepInputs:
+                     one: StepBuffers) -> EagleStepInputs:
         """:meth:`prepare_after` of one request's chain step in the reused buffers ``one``: the same values."""
         ln = packed.num_new[0] + packed.lookahead[0]
         ctx_len = ctx.kv[self.target_cache].num_tokens

@@ -112,7 +112,6 @@ class NgramDraftBatch(DraftBatch):
     parents: torch.Tensor | None = None
     max_depth: int = 0
     max_children: int = 0
-    num_draft_host: list[int] | None = None  # num_draft on the host (the step verifies that many rows each)
 
 
 class NgramDrafter(Drafter):
