@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.core.backend import forget_backend
 from specdec.core.kernels import cpu_kernels_available
 
 DTYPES = (torch.float32, torch.bfloat16)  # what oneDNN's packed linear serves here
@@ -314,12 +315,13 @@ def pack_layers(module: nn.Module, kernel: str = "specdec") -> int:
     "specdec", every :class:`RMSNorm` in ``module`` for ``kernel`` (see :meth:`Linear.pack`
     and the module docstring); the number of linears packed.
     For "specdec" it also sets ``attention_kernel`` on every submodule that declares one (the
-    decoders over a paged cache), so their float32 CPU attention runs our kernel too."""
+    decoders over a paged cache), so their float32 CPU attention runs our kernel too. A module
+    with a native backend (``native_operands``) chooses its backend again on the packed weights."""
     for m in module.modules():
         if isinstance(m, RMSNorm):
             m.pack(kernel)
-        if hasattr(m, "after_pack"):  # a module that gathers packed weights (LlamaDecoder's C++ stack)
-            m.after_pack()
+        if hasattr(m, "native_operands"):  # its native backend gathered the old weights: choose again
+            forget_backend(m)
         if hasattr(type(m), "attention_kernel"):
             w = next(m.parameters(), None)
             # (our attention kernel reads a head 16 floats at a time: other head sizes keep SDPA,
@@ -334,18 +336,75 @@ def pack_layers(module: nn.Module, kernel: str = "specdec") -> int:
     # packing it again would hold it packed twice.
     done = [m for m in linears if m.packed is not None and m.kernel == kernel]
     shared = _shared_storages(module, linears)
-    _release_freed_memory()  # (what fusing the projections freed)
-    fresh = []
-    for m in linears:
-        if m not in done and m.pack(kernel):
-            fresh.append(m)
+    release_freed_memory()  # (what fusing the projections freed)
+    todo = [m for m in linears if m not in done]
+    ours = [m for m in todo if kernel == "specdec" and row_kernel_serves(m.weight.device, m.weight.dtype)]
+    _pack_into_arena(ours, shared)
+    packed = len(done) + len(ours)
+    for m in todo:
+        if not any(m is o for o in ours) and m.pack(kernel):  # oneDNN's layout
+            packed += 1
             # Layer by layer: the next layer's packed copy takes the memory this dense one held.
             if m.weight.untyped_storage().data_ptr() not in shared and unpack_is_exact(m.kernel, m.weight.dtype):
                 m.free_dense()
-    _release_freed_memory()  # before the arena: the dense weights, packed weights and arena never at once
-    _into_one_arena([m for m in fresh if m.kernel == "specdec"])
-    _release_freed_memory()
-    return len(done) + len(fresh)
+    release_freed_memory()
+    return packed
+
+
+_PACK_CHUNK_BYTES = 4 << 20  # dense weight bytes packed at a time (see _pack_into_arena)
+
+
+@functools.cache
+def _panel_width(dtype: torch.dtype) -> int:
+    """P, the output columns of one of our kernel's panels of ``dtype`` (``[N/P, K, P]``)."""
+    return int(torch.ops.specdec_cpu.row_linear_pack(torch.zeros(1, 1, dtype=dtype)).shape[-1])
+
+
+def _is_bf16_valued(w: torch.Tensor) -> bool:
+    """Whether every value of ``w`` is a bfloat16 (:func:`lossless_bf16`), checked a few MiB of
+    rows at a time: no whole narrowed copy beside it."""
+    rows = w.reshape(w.shape[0], -1)
+    step = max(1, _PACK_CHUNK_BYTES // max(1, rows.shape[1] * rows.element_size()))
+    return all(torch.equal(c.to(torch.bfloat16).float(), c) for c in rows.split(step))
+
+
+def _pack_into_arena(linears: list[Linear], shared: set[int]) -> None:
+    """Packs ``linears`` for our kernel straight into one block of memory on huge pages
+    (``specdec_cpu::huge_empty``), in order (each on a cache line of its own). A decode step
+    reads them all from DRAM in turn: on 4 KiB pages each 4 KiB was a TLB miss and a stop
+    for the CPU's prefetchers. Each is packed a few MiB of rows at a time
+    (a panel holds whole rows: P of them), freeing each dense weight once packed (unless
+    ``shared`` holds its storage, or :func:`unpack` would not give it back). The block's pages
+    are touched only as they are filled, and the freed weights go back to the system as they
+    go, so the packed and dense copies of the model are never resident at once: loading
+    SmolLM2-135M peaked at 3.1 times its weights when it packed every layer, then copied them all."""
+    if not linears:
+        return
+    plans, total = [], 0
+    for m in linears:
+        w = m.dense_weight().detach()
+        dt = torch.bfloat16 if _is_bf16_valued(w) else w.dtype
+        p = _panel_width(dt)
+        shape = (-(-w.shape[0] // p), w.shape[1], p)
+        total = -(-total // 64) * 64  # each weight on a cache line of its own
+        plans.append((m, dt, total, shape))
+        total += shape[0] * shape[1] * shape[2] * torch.empty(0, dtype=dt).element_size()
+        del w
+    arena = torch.ops.specdec_cpu.huge_empty(total)
+    for m, dt, off, shape in plans:
+        nbytes = shape[0] * shape[1] * shape[2] * torch.empty(0, dtype=dt).element_size()
+        view = arena[off : off + nbytes].view(dt).view(shape)
+        w = m.dense_weight().detach()
+        p = shape[2]
+        step = max(1, _PACK_CHUNK_BYTES // max(1, p * w.shape[1] * w.element_size())) * p
+        for i in range(0, w.shape[0], step):
+            part = torch.ops.specdec_cpu.row_linear_pack(w[i : i + step].to(dt))
+            view[i // p : i // p + part.shape[0]].copy_(part)
+        m.packed, m.kernel = view, "specdec"
+        del w
+        if m.weight.untyped_storage().data_ptr() not in shared and unpack_is_exact("specdec", m.weight.dtype):
+            m.free_dense()
+            release_freed_memory()
 
 
 def _shared_storages(module: nn.Module, linears: list[Linear]) -> set[int]:
@@ -361,7 +420,7 @@ def _shared_storages(module: nn.Module, linears: list[Linear]) -> set[int]:
     return shared
 
 
-def _release_freed_memory() -> None:
+def release_freed_memory() -> None:
     """Hands the heap's free memory back to the system (glibc's ``malloc_trim``; nothing
     elsewhere). Packing frees a temporary copy of every weight, which glibc keeps under
     ``keep_large_allocations``' 1 GiB trim threshold: 0.6 GiB of SmolLM2-135M's resident
@@ -378,32 +437,6 @@ def called_linears(linears: list[Linear]) -> list[Linear]:
     the fused layer only (:meth:`Linear.fused`)."""
     fused = {m.weight.untyped_storage().data_ptr() for m in linears if "weight" in m._buffers}
     return [m for m in linears if "weight" in m._buffers or m.weight.untyped_storage().data_ptr() not in fused]
-
-
-def _into_one_arena(linears: list[Linear]) -> None:
-    """Moves the packed weights of ``linears`` into one block of memory on huge pages
-    (``specdec_cpu::huge_empty``), in module order, the layers' fused projections first (any
-    part of a fused layer, which the forward does not call, after them). A decode step reads
-    them all from DRAM in turn: on 4 KiB pages each 4 KiB was a TLB miss and a stop for the
-    CPU's prefetchers. The values do not change, only where they live."""
-    if not linears:
-        return
-    called = called_linears(linears)
-    ids = {id(m) for m in called}
-    order = called + [m for m in linears if id(m) not in ids]
-    offsets, total = [], 0
-    for m in order:
-        assert m.packed is not None
-        total = -(-total // 64) * 64  # each weight on a cache line of its own
-        offsets.append(total)
-        total += m.packed.numel() * m.packed.element_size()
-    arena = torch.ops.specdec_cpu.huge_empty(total)
-    for m, off in zip(order, offsets):
-        p = m.packed
-        assert p is not None
-        view = arena[off : off + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
-        view.copy_(p)
-        m.packed = view
 
 
 def register_compiled_lowering() -> None:

@@ -217,10 +217,6 @@ class EagleHead(RopeTables, DecoderModule):
         self.__dict__["_target"] = (embed, lm_head)
         forget_backend(self)  # (its native operands include them)
 
-    def after_pack(self) -> None:
-        """Called by ``pack_layers``: the backend chosen for the old weights is stale."""
-        forget_backend(self)
-
     def native_operands(self) -> tuple[Any, ...] | None:
         """The head's operands of ``specdec_cpu::eagle_forward`` after the rope tables (the
         target's embedding; fc (EAGLE-1); EAGLE-3's input and hidden norms; the layer's weights,

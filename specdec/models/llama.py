@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.core.backend import backend_of, forget_backend, forward_checking_rows
+from specdec.core.backend import backend_of, forward_checking_rows
 from specdec.core.flex import FlexAttend
 from specdec.core.inputs import DecoderInputs, DecoderOutputs, KVCacheTensors, MaskKind
-from specdec.core.linear import Linear, RMSNorm
+from specdec.core.linear import Linear, RMSNorm, release_freed_memory
 from specdec.core.registry import DecoderModule, Role, register
 from specdec.models.config import LlamaConfig
 
@@ -453,10 +453,6 @@ class LlamaDecoder(RopeTables, DecoderModule):
                 x = layer(x, cos, sin, attend)
         return self.model.norm(x), [h for h in seen if h is not None]
 
-    def after_pack(self) -> None:
-        """Called by ``pack_layers``: the backend chosen for the old weights is stale."""
-        forget_backend(self)
-
     def native_operands(self) -> tuple[Any, ...] | None:
         """The module's operands of ``specdec_cpu::decoder_forward`` (embedding, weights,
         biases, dims, eps, final norm, head, its bias, vocabulary, attention scale), for
@@ -536,11 +532,14 @@ class LlamaDecoder(RopeTables, DecoderModule):
         return self.model.embed_tokens(inputs.tokens), *self.rope_for(inputs.positions)
 
     def prepare_for_inference(self) -> LlamaDecoder:
-        """Fuses q/k/v and gate/up projections (views: no extra memory). Call
-        after loading, not before training: the fused tensors are not trained."""
+        """Fuses q/k/v and gate/up projections (their weights become views of the fused
+        ones), a layer at a time, handing what each frees back to the system: the model
+        never holds more than one layer twice. Call after loading, not before training:
+        the fused tensors are not trained."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+            release_freed_memory()
         return self
 
     def forward_dense(self, tokens: torch.Tensor) -> torch.Tensor:

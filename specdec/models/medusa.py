@@ -161,10 +161,6 @@ class MedusaHeads(DecoderModule):
         self.__dict__["_lm_head"] = lm_head
         forget_backend(self)  # (its native operands include it)
 
-    def after_pack(self) -> None:
-        """Called by ``pack_layers``: the backend chosen for the old weights is stale."""
-        forget_backend(self)
-
     def native_operands(self) -> tuple[Any, ...] | None:
         """The heads' operands of ``specdec_cpu::medusa_forward`` (each head's block weight and
         bias, the blocks a head applies, its lm head, or the one shared, and the vocabulary),

@@ -218,3 +218,18 @@ def test_greedy_speculative_output_with_native_heads_equals_plain_decoding(tiny_
             before = len(chains)
             assert proposer.draft_forward_time(24, repeats=2) > 0 and len(chains) > before
     assert bool(chains) == (not kind.startswith("medusa"))
+
+
+def test_packing_has_a_decoder_and_its_heads_choose_their_backend_again() -> None:
+    # A backend chosen before pack_layers (unpacked: eager) is stale after it: the decoder, an
+    # EAGLE head and Medusa heads each choose again, native on the packed weights.
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+    target = LlamaDecoder(cfg).eval().prepare_for_inference()
+    head = new_head(EagleHeadConfig.from_target("eagle3", cfg), seed=3).eval().prepare_for_inference()
+    head.attach_target(target.model.embed_tokens, target.lm_head)
+    heads = MedusaHeads(MedusaHeadConfig(num_heads=2, num_layers=1, hidden_size=64, vocab_size=64)).eval()
+    for m in (target, head, heads):
+        assert backend_of(m).kind == "eager"
+        pack_layers(m)
+        assert backend_of(m).kind == "native"
