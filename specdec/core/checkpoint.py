@@ -10,6 +10,7 @@ sits in memory twice.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,17 +113,26 @@ def _listed(names: list[str], limit: int = 20) -> str:
     return head if len(names) <= limit else f"{head}, ... and {len(names) - limit} more ({len(names)} in all)"
 
 
+def _header(f: Path) -> tuple[int, dict[str, Any]]:
+    """The parsed JSON header of safetensors file ``f`` and where its data starts
+    (raises OSError / ValueError on a header that cannot be read)."""
+    with open(f, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        if not 0 < n <= 1 << 28:
+            raise ValueError(f"header length {n}")
+        header = json.loads(fh.read(n))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    return 8 + n, header
+
+
 def stored_elements(files: list[Path]) -> int | None:
     """Elements of every tensor the safetensors ``files`` hold, read off their headers only
     (None: a header that cannot be read; the load then names the fault)."""
     total = 0
     for f in files:
         try:
-            with open(f, "rb") as fh:
-                n = int.from_bytes(fh.read(8), "little")
-                if not 0 < n <= 1 << 28:
-                    return None
-                header = json.loads(fh.read(n))
+            _, header = _header(f)
             for name, entry in header.items():
                 if name != "__metadata__":
                     size = 1
@@ -158,11 +168,73 @@ def check_sizes_backed(config: Any, path: Path) -> None:
 _FLOAT_CODES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 
 
-def _get(handle: Any, name: str, file: Path) -> torch.Tensor:
+_TORCH_TYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_CHUNK_BYTES = 4 << 20  # bytes converted at a time (see _get)
+
+
+class _PlainReads:
+    """Reads a safetensors file's tensors with plain reads at the offsets its header gives,
+    for those converted as read: through the file's map, the stored pages would count in
+    the process's resident memory while it is open (half the float32 weights again for a
+    bf16 checkpoint loaded as float32), beside the converted copy."""
+
+    def __init__(self, file: Path) -> None:
+        self.file, self.fh = file, None
+        self.spans: dict[str, tuple[int, int]] = {}  # (none: safetensors reads each, and names a fault)
+        try:
+            start, header = _header(file)
+            self.spans = {k: (start + int(v["data_offsets"][0]), start + int(v["data_offsets"][1]))
+                          for k, v in header.items() if k != "__metadata__"}
+            self.fh = open(file, "rb", buffering=0)
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            self.spans = {}
+
+    def read_into(self, name: str, at: int, out: torch.Tensor) -> None:
+        """Fills ``out`` (contiguous) with the bytes of tensor ``name`` from byte ``at`` on."""
+        buf = memoryview(out.view(-1).view(torch.uint8).numpy())
+        self.fh.seek(self.spans[name][0] + at)
+        done = 0
+        while done < len(buf):
+            n = self.fh.readinto(buf[done:])
+            if not n:
+                raise CheckpointError(f"truncated safetensors file {self.file}: tensor {name!r} ends past its end")
+            done += n
+
+    def close(self) -> None:
+        if self.fh is not None:
+            self.fh.close()
+
+
+def _get(handle: Any, name: str, file: Path, dtype: torch.dtype | None = None,
+         reads: _PlainReads | None = None) -> torch.Tensor:
+    """Tensor ``name`` as stored (a copy-on-write map of the file: its pages are the weight,
+    read as used), or converted to ``dtype`` a few MiB of rows at a time, read by ``reads``,
+    into the one tensor returned: no whole stored-type copy, nor the file's pages, beside it."""
     from safetensors import SafetensorError
 
     try:
-        return handle.get_tensor(name)
+        sl = handle.get_slice(name)
+        shape = [int(d) for d in sl.get_shape()]
+        stored = _TORCH_TYPES.get(str(sl.get_dtype()).upper())
+        numel = 1
+        for d in shape:
+            numel *= d
+        span = reads.spans.get(name) if reads is not None else None
+        if (dtype is None or dtype == stored or stored is None or span is None
+                or span[1] - span[0] != numel * stored.itemsize or sys.byteorder != "little"):
+            t = handle.get_tensor(name)
+            return t if dtype is None else t.to(dtype)
+        out = torch.empty(shape, dtype=dtype)
+        if numel == 0:
+            return out
+        rows = out.view(shape[0] if shape else 1, -1)
+        step = max(1, _CHUNK_BYTES // max(1, rows.shape[1] * out.element_size()))
+        buf = torch.empty(min(step, rows.shape[0]), rows.shape[1], dtype=stored)
+        for i in range(0, rows.shape[0], step):
+            part = buf[: min(step, rows.shape[0] - i)]
+            reads.read_into(name, i * rows.shape[1] * stored.itemsize, part)
+            rows[i : i + len(part)].copy_(part)
+        return out
     except (SafetensorError, RuntimeError, OSError) as e:
         raise CheckpointError(f"corrupt or truncated safetensors file {file} (tensor {name!r}): {e}") from None
 
@@ -186,11 +258,21 @@ def load_state_dict_into(
     ``index``: the sharded checkpoint's ``weight_map`` (see :func:`iter_tensors`).
     """
     def entries() -> Iterator[tuple[str, Path, tuple[int, ...], str, bool, Callable[[], torch.Tensor]]]:
-        for name, file, handle in iter_tensors(files, index):
-            sl = handle.get_slice(name)
-            code = str(sl.get_dtype()).upper()
-            yield (name, file, tuple(sl.get_shape()), code, code in _FLOAT_CODES,
-                   lambda handle=handle, name=name, file=file: _get(handle, name, file))
+        reads: _PlainReads | None = None
+        try:
+            for name, file, handle in iter_tensors(files, index):
+                if reads is None or reads.file != file:
+                    if reads is not None:
+                        reads.close()
+                    reads = _PlainReads(file)
+                sl = handle.get_slice(name)
+                code = str(sl.get_dtype()).upper()
+                yield (name, file, tuple(sl.get_shape()), code, code in _FLOAT_CODES,
+                       lambda dtype=None, handle=handle, name=name, file=file, reads=reads:
+                       _get(handle, name, file, dtype, reads))
+        finally:
+            if reads is not None:
+                reads.close()
 
     fill_module(module, entries(), where=files[0].parent, strict=strict, dtype=dtype,
                 override_quantization_encoding=override_quantization_encoding, device=device)
@@ -207,8 +289,9 @@ def fill_module(
     device: torch.device | str = "cpu",
 ) -> None:
     """Fills ``module`` from ``entries``: ``(name, file, shape, stored type, is_float, load)``
-    per stored tensor, ``load()`` reading it only when the module has a place of that
-    shape for it (see :func:`load_state_dict_into`; ``where`` names the checkpoint)."""
+    per stored tensor, ``load(dtype)`` reading it (as ``dtype``; None: as stored) only when
+    the module has a place of that shape for it (see :func:`load_state_dict_into`; ``where``
+    names the checkpoint). One tensor at a time, straight into the storage the module keeps."""
     params = dict(module.named_parameters())  # tied weights appear once
     tied_aliases = {n for n, _ in module.named_parameters(remove_duplicate=False)} - set(params)
     # Persistent buffers are weights too (an EAGLE-3 head's d2t / t2d vocabulary maps).
@@ -231,10 +314,10 @@ def fill_module(
             want = "floating-point" if p.is_floating_point() else f"{p.dtype} (integer)"
             raise CheckpointError(f"{file}: tensor {name!r} is stored as {code}; {type(module).__name__} needs "
                                   f"a {want} tensor there")
-        t = load()
-        if not override_quantization_encoding and dtype is not None and t.is_floating_point():
-            t = t.to(dtype)  # (integer and boolean tables keep their type)
+        # (integer and boolean tables keep their type)
+        t = load(dtype if not override_quantization_encoding and dtype is not None and is_float else None)
         pending[name] = t.to(device)
+        del t  # (on another device: the host copy goes now, not at the next tensor)
         loaded.add(name)
     missing = sorted(set(params) - loaded)
     problems = []
@@ -249,6 +332,9 @@ def fill_module(
     # assign=True hands over the loaded tensors without another copy.
     module.load_state_dict(pending, strict=False, assign=True)
     _retie(module)
+    from specdec.core.linear import release_freed_memory
+
+    release_freed_memory()  # (the readers' and converters' temporaries)
 
 
 def _retie(module: nn.Module) -> None:

@@ -16,10 +16,11 @@ undoes it, as transformers' GGUF loader does. Qwen2 / Qwen3 files are not permut
 from __future__ import annotations
 
 import functools
+import mmap
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -63,6 +64,7 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 _SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
            "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
 _CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
+_CHUNK_BYTES = 4 << 20  # float32 bytes dequantized at a time (see GGUFCheckpoint._dequantize)
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -86,8 +88,26 @@ def hf_name(name: str) -> str:
     return f"{_TOP_NAMES[stem]}.{kind}" if stem in _TOP_NAMES else name
 
 
+class _Tensor(NamedTuple):
+    """Where one tensor's bytes lie in the file, and how the ``gguf`` reader would view them."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF order: innermost dimension first
+    n_elements: int
+    offset: int  # bytes from the start of the file
+    n_bytes: int
+    view_dtype: np.dtype  # (quantized: bytes, viewed as (rows, bytes of a row))
+    view_shape: tuple[int, ...]
+
+
 class GGUFCheckpoint:
-    """One ``.gguf`` file: its settings as a ``config.json`` dict, its weights, tokenizer and chat template."""
+    """One ``.gguf`` file: its settings as a ``config.json`` dict, its weights, tokenizer and chat template.
+
+    The file is parsed once, into plain values (the metadata, each tensor's place); the
+    ``gguf`` reader is dropped then: its per-string field arrays hold some 160 MiB for a
+    49k-token vocabulary. Weights are read through a map of the file opened per
+    :meth:`iter_tensors`, so nothing maps the file once a load is done."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -96,19 +116,24 @@ class GGUFCheckpoint:
         try:
             from gguf import GGUFReader
 
-            self.reader = GGUFReader(str(self.path))
+            reader = GGUFReader(str(self.path))
+            self._meta = {key: field.contents() for key, field in reader.fields.items()}
+            tensors = [_Tensor(t.name, t.tensor_type, tuple(int(d) for d in t.shape), int(t.n_elements),
+                               int(t.data_offset), int(t.n_bytes), t.data.dtype, tuple(t.data.shape))
+                       for t in reader.tensors]
         except ImportError:
             raise CheckpointError(f"{self.path}: loading GGUF files needs the 'gguf' package "
                                   "(pip install gguf)") from None
         except Exception as e:  # the reader raises ValueError, struct / numpy errors on a corrupt file
             raise CheckpointError(f"{self.path} is not a readable GGUF file: {type(e).__name__}: {e}") from None
+        finally:
+            reader = None  # (the field arrays and the file's map go with it)
         self.arch = str(self.meta("general.architecture", ""))
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.tensors = {t.name: t for t in tensors}
 
     def meta(self, key: str, default: Any = None) -> Any:
         """The metadata value ``key`` (a number, string or list), or ``default``."""
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self._meta.get(key, default)
 
     def _arch_meta(self, key: str, default: Any = None, *, required: bool = False) -> Any:
         value = self.meta(f"{self.arch}.{key}", default)
@@ -154,38 +179,71 @@ class GGUFCheckpoint:
 
     def element_count(self) -> int:
         """Elements of all tensors the file holds (for the config-vs-weights size check)."""
-        return sum(int(t.n_elements) for t in self.reader.tensors)
+        return sum(t.n_elements for t in self.tensors.values())
 
     def iter_tensors(self, config: Any) -> Iterator[tuple[str, str, tuple[int, ...], Any]]:
-        """``(hf_name, ggml_type, shape, load)`` per tensor; ``load()`` dequantizes it to float32
-        and undoes the Q / K permutation. An unsupported type fails at ``load``, naming the
-        tensor and its type."""
+        """``(hf_name, ggml_type, shape, load)`` per tensor; ``load(dtype)`` dequantizes it to
+        ``dtype`` (None: float32) and undoes the Q / K permutation. An unsupported type fails
+        at ``load``, naming the tensor and its type."""
         permuted = ARCHITECTURES.get(self.arch, ("", False))[1]
-        for t in self.reader.tensors:
+        try:
+            data = np.memmap(self.path, mode="r")  # (closed when this generator and its loads are gone)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{self.path} could not be read: {e}") from None
+        for t in self.tensors.values():
             kind = t.tensor_type.name
-            shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the innermost dimension first
+            shape = tuple(reversed(t.shape))  # GGUF lists the innermost dimension first
             heads = None
             if permuted and ".attn_q." in t.name:
                 heads = config.num_attention_heads
             elif permuted and ".attn_k." in t.name:
                 heads = config.num_key_value_heads
 
-            def load(t: Any = t, kind: str = kind, shape: tuple = shape, heads: int | None = heads) -> torch.Tensor:
+            def load(dtype: torch.dtype | None = None, t: _Tensor = t, kind: str = kind, shape: tuple = shape,
+                     heads: int | None = heads) -> torch.Tensor:
                 if kind not in SUPPORTED_TYPES:
                     raise CheckpointError(f"{self.path}: tensor {t.name!r} is stored as {kind}, which this loader "
                                           f"does not dequantize (supported: {', '.join(SUPPORTED_TYPES)})")
-                from gguf.quants import dequantize
-
-                a = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-                w = torch.from_numpy(a if a.flags.writeable else a.copy())  # (F32 data is the read-only map)
-                return unpermute(w, heads) if heads is not None else w
+                if t.offset + t.n_bytes > data.size:
+                    raise CheckpointError(f"{self.path}: tensor {t.name!r} ends past the end of the file "
+                                          "(truncated or rewritten since it was opened)")
+                raw = data[t.offset : t.offset + t.n_bytes].view(t.view_dtype).reshape(t.view_shape)
+                try:
+                    return self._dequantize(raw, t.tensor_type, shape, heads, dtype or torch.float32)
+                finally:
+                    _drop_pages(data)
 
             yield hf_name(t.name), kind, shape, load
+
+    @staticmethod
+    def _dequantize(raw: np.ndarray, qtype: Any, shape: tuple[int, ...], heads: int | None,
+                    dtype: torch.dtype) -> torch.Tensor:
+        """The tensor stored as ``raw`` (the file's bytes, viewed as the ``gguf`` reader views
+        them) in ``dtype``, dequantized a few MiB of rows at a time straight into the one
+        tensor returned: the temporaries (numpy's float32 blocks, a Q / K head's unpermuted
+        rows) stay small however large the tensor (an embedding: 0.1 GiB in SmolLM2)."""
+        from gguf.quants import dequantize
+
+        out = torch.empty(shape, dtype=dtype)
+        if out.dim() < 2:  # (a norm or bias: small)
+            w = torch.from_numpy(np.array(dequantize(raw, qtype), dtype=np.float32).reshape(shape))
+            return out.copy_(unpermute(w, heads) if heads else w)
+        rows = out.view(-1, shape[-1])
+        data = raw.reshape(rows.shape[0], -1)  # (rows, bytes or values of a row)
+        unit = rows.shape[0] // heads if heads else 1  # (a permuted head's rows unpermute together)
+        step = max(1, (_CHUNK_BYTES // max(1, 4 * rows.shape[1])) // unit) * unit
+        for i in range(0, rows.shape[0], step):
+            a = np.asarray(dequantize(data[i : i + step], qtype), dtype=np.float32)
+            w = torch.from_numpy(a if a.flags.writeable else a.copy()).view(-1, rows.shape[1])  # (F32: the file's map)
+            if heads:
+                w = unpermute(w, w.shape[0] // unit)
+            rows[i : i + step].copy_(w)
+        return out
 
     # -- tokenizer and chat template ------------------------------------------------------
 
     def has_tokenizer(self) -> bool:
-        return "tokenizer.ggml.tokens" in self.reader.fields
+        return "tokenizer.ggml.tokens" in self._meta
 
     def tokenizer(self) -> Any:
         """The ``tokenizers.Tokenizer`` the metadata describes (byte-level BPE, ``tokenizer.ggml.model``
@@ -235,6 +293,18 @@ class GGUFCheckpoint:
             if isinstance(i, int) and 0 <= i < len(tokens):
                 out[name] = str(tokens[i])
         return out
+
+
+def _drop_pages(data: np.memmap) -> None:
+    """Lets the kernel drop the file's pages this process has read (they stay in the page
+    cache): the quantized bytes of a tensor already loaded would otherwise count in the
+    process's resident memory (0.09 GiB for SmolLM2-135M's Q4_1 file) while the map is open."""
+    m = getattr(data, "_mmap", None)
+    if m is not None and hasattr(m, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+        try:
+            m.madvise(mmap.MADV_DONTNEED)
+        except (OSError, ValueError):
+            pass
 
 
 @functools.lru_cache(maxsize=4)

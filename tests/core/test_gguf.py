@@ -235,3 +235,45 @@ def test_experiment_accepts_gguf_target(tiny):
 
     path, _ = tiny("F32")
     check_checkpoints(SimpleNamespace(target=str(path), methods={}, data=SimpleNamespace(chat=True)))
+
+
+def test_nothing_holds_the_file_once_loaded_and_its_tokenizer_still_works(tiny):
+    """The parsed file is kept (config, weights, tokenizer and template each read it), but as
+    plain values: no ``gguf`` reader (its per-string arrays: ~160 MiB for a 49k vocabulary)
+    and no map of the file (its pages count as resident memory) outlive the load."""
+    import gc
+
+    from specdec.data.chat import load_chat_template
+
+    path, _ = tiny("Q8_0")
+    module = load_decoder(path).module
+    tok, chat = load_tokenizer(path), load_chat_template(path)
+    gc.collect()
+    where = str(path.resolve())
+    readers = [o for o in gc.get_objects() if type(o) is gguf.GGUFReader
+               and getattr(o.data, "filename", None) == where]
+    assert not readers
+    maps = Path("/proc/self/maps")
+    if maps.is_file():
+        assert where not in maps.read_text()
+    ids = tok.encode(TEXTS[1]).ids
+    assert tok.decode(ids) == TEXTS[1] and module.model.embed_tokens.weight.shape[0] == tok.get_vocab_size()
+    assert chat.special_tokens["eos_token"] == "<|im_end|>"
+
+
+def test_a_file_cut_short_after_it_was_parsed_names_the_tensor(tiny, tmp_path):
+    """A parsed file keeps where each tensor lies; one rewritten shorter since fails at the
+    load of a tensor that now ends past its end, naming it (not a numpy reshape error)."""
+    from types import SimpleNamespace
+
+    from specdec.core.gguf import GGUFCheckpoint
+
+    path, _ = tiny("F32")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes())
+    ckpt = GGUFCheckpoint(cut)
+    cfg = SimpleNamespace(**ckpt.hf_config())
+    cut.write_bytes(path.read_bytes()[:-64])
+    with pytest.raises(CheckpointError, match=r"cut.gguf: tensor '[\w.]+' ends past the end of the file"):
+        for _, _, _, load in ckpt.iter_tensors(cfg):
+            load()
