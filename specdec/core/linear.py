@@ -434,9 +434,11 @@ def release_freed_memory() -> None:
 def called_linears(linears: list[Linear]) -> list[Linear]:
     """Those of ``linears`` a forward calls, in order. A fused layer ([q; k; v], [gate; up])
     holds its weight as a buffer and its parts' weights are views of it: the forward calls
-    the fused layer only (:meth:`Linear.fused`)."""
+    the fused layer only (:meth:`Linear.fused`); once packed, the parts hold placeholders
+    (:meth:`Linear.free_dense`), so a second ``pack_layers`` must not take them for layers."""
     fused = {m.weight.untyped_storage().data_ptr() for m in linears if "weight" in m._buffers}
-    return [m for m in linears if "weight" in m._buffers or m.weight.untyped_storage().data_ptr() not in fused]
+    return [m for m in linears if not (m.dense_freed and m.packed is None)
+            and ("weight" in m._buffers or m.weight.untyped_storage().data_ptr() not in fused)]
 
 
 def register_compiled_lowering() -> None:

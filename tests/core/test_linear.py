@@ -197,6 +197,20 @@ def test_packing_keeps_the_state_dict_and_gradients_take_f_linear(kernel):
     assert torch.allclose(x.grad, layer.dense_weight().sum(0).expand(3, -1), atol=1e-5)  # (unpacked: freed)
 
 
+@pytest.mark.parametrize("kernel", [pytest.param("specdec", marks=needs_kernels),
+                                    pytest.param("onednn", marks=needs_onednn)])
+def test_packing_a_packed_model_again_packs_nothing_more(kernel):
+    # (a module built over a packed one packs it again: the fused layers' parts, whose
+    # dense weights packing freed, must not be packed from their placeholders)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = LlamaDecoder(cfg).prepare_for_inference()
+    first = pack_layers(model, kernel)
+    packed = {id(m) for m in model.modules() if isinstance(m, Linear) and m.packed is not None}
+    assert pack_layers(model, kernel) == first
+    assert {id(m) for m in model.modules() if isinstance(m, Linear) and m.packed is not None} == packed
+
+
 def test_cpu_linear_is_checked():
     with pytest.raises(ValueError, match="runtime.cpu_linear"):
         RuntimeConfig(cpu_linear="mkl")
