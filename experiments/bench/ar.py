@@ -2,7 +2,13 @@
 
     python experiments/bench/ar.py quick=true
     python experiments/bench/ar.py quick=true compile=true   # ours through torch.compile
-    python experiments/bench/ar.py model=/path/to/hf/checkpoint batch_sizes=[1,8,32]
+    python experiments/bench/ar.py quick=true target=smollm2  # the real target (SmolLM2-135M, GGUF)
+    python experiments/bench/ar.py target=/path/to/hf/checkpoint batch_sizes=[1,8,32]
+
+``target=``: ``builtin`` (the shipped code target; random where absent), ``random``, a
+fetchable model's name (``smollm2``: :mod:`specdec.zoo_fetch`, fetched on first use), a
+``.gguf`` file or a checkpoint dir. transformers' peer of a GGUF target is built from the
+same file's weights, dequantized to float32 as ours are (:func:`hf_peer`).
 
 Figures (last line, JSON):
 - ``batch1_overhead_ratio``: engine time per decode step at batch 1 divided by
@@ -18,7 +24,7 @@ Figures (last line, JSON):
 - ``weight_read_bound_ms``: the least time a batch-1 decode step can take if
   it reads every weight once from memory: bytes of the target's weights as a
   step reads them (:func:`weight_bytes`: the packed copies, bfloat16 where the
-  values are bf16 ones) / memory read bandwidth, the bandwidth measured here
+  values are bf16 ones, each value once) / memory read bandwidth, the bandwidth measured here
   (``torch.sum`` over a 512 MB fp32 tensor with the run's thread count,
   median of 7). ``bare_forward_ms``: the median bare batch-1 forward above;
   ``forward_vs_bound`` = bare forward / bound (goal <= 2.5). Weights that fit
@@ -67,12 +73,13 @@ from specdec.measure import (
     timed,
 )
 from specdec.spec.forward_time import forward_time
+from specdec.zoo_fetch import resolve_target
 
 
 @dataclass
 class ArBenchConfig:
     quick: bool = False
-    model: str = "builtin"  # "builtin", "random" or a checkpoint dir
+    target: str = "builtin"  # "builtin", "random", a fetchable name ("smollm2"), a .gguf file or a checkpoint dir
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32])
     prompt_len: int = 64
     new_tokens: int = 64
@@ -130,15 +137,41 @@ def read_bandwidth(mb: int = 512, repeats: int = 7, huge_pages: bool = False) ->
 def weight_bytes(module: torch.nn.Module) -> int:
     """Bytes of ``module``'s weights as a decode step reads them: a packed projection's packed
     copy (bfloat16 where its values allow, :func:`specdec.core.linear.lossless_bf16`), every
-    other parameter in the run's dtype (tied ones once)."""
-    from specdec.core.linear import Linear, called_linears
+    other parameter in the run's dtype (tied ones once). The parts of a packed fused layer
+    ([q; k; v], [gate; up]) are counted in its packed copy only: their weights are
+    placeholders or views the forward never reads."""
+    from specdec.core.linear import Linear
 
-    linears = [m for m in module.modules() if isinstance(m, Linear)]
-    called = called_linears(linears)
-    total = sum(m.packed.numel() * m.packed.element_size() for m in called if m.packed is not None)
-    packed = {id(m.weight) for m in linears if m.packed is not None}
+    # (a fused layer's parts carry ``fused_in``: ``called_linears`` tells them by storage, which
+    # the placeholders of a freed dense weight no longer share)
+    linears = [m for m in module.modules() if isinstance(m, Linear) and m.packed is not None and m.fused_in is None]
+    total = sum(m.packed.numel() * m.packed.element_size() for m in linears)
+    packed = {id(w) for m in linears for w in (m.weight, *(p.weight for p in m.parts))}
     # Parameters no packed layer reads for them (norms, embeddings that are not a tied head).
     return total + sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in packed)
+
+
+def hf_peer(path: Path) -> Any:
+    """transformers' model of ``path`` (float32, eval): a GGUF file's built from the config and
+    the dequantized weights our loader reads (:mod:`specdec.core.gguf`: transformers' own GGUF
+    path needs ``accelerate``), anything else by :func:`specdec.measure.hf_model`."""
+    from specdec.core.gguf import is_gguf, open_gguf
+
+    if not is_gguf(path):
+        return hf_model(path)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ckpt = open_gguf(path)
+    cfg = AutoConfig.for_model(**ckpt.hf_config())
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    state = {name: load() for name, _, _, load in ckpt.iter_tensors(cfg)}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"{path}: transformers' model of it lacks {missing} / does not take {unexpected}")
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
 
 
 def hf_generate(model: Any, ids: torch.Tensor, new_tokens: int) -> list[list[int]]:
@@ -174,7 +207,7 @@ def main(argv: list[str]) -> None:
     if cfg.quick:
         cfg.repeats, cfg.new_tokens, cfg.overhead_steps = 1, 32, 60
     pair = builtin_pair()
-    path = checkpoint(cfg.model, pair and pair[0], layers=6)
+    path = Path(resolve_target(checkpoint(cfg.target, pair and pair[0], layers=6)))  # "smollm2": its cached file
     step, fwd, ratio, nbytes = overhead_ratio(path, cfg.overhead_steps, cfg.prompt_len, cfg.compile,
                                            cfg.cpu_linear)
     bound = nbytes / read_bandwidth()  # seconds to read every weight once
@@ -186,7 +219,7 @@ def main(argv: list[str]) -> None:
                 f"batch-1 decode step, {path}, {torch.get_num_threads()} threads, "
                 f"{'compiled' if cfg.compile else 'eager'}, linears through {cfg.cpu_linear}")
 
-    hf = hf_model(path)
+    hf = hf_peer(path)
     g = torch.Generator().manual_seed(0)
     rows, ratios, equal = [], {}, True
     for b in cfg.batch_sizes:

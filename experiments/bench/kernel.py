@@ -2,6 +2,7 @@
 
     python experiments/bench/kernel.py quick=true
     python experiments/bench/kernel.py rows=[1,2,3,4,5,6,7,8] threads=1
+    python experiments/bench/kernel.py quick=true target=smollm2   # the real target's shapes, float32
 
 One pass is a target forward's projections back to back — per layer the fused q/k/v,
 o, fused gate/up and down products, then the vocabulary head — on bfloat16 panels in one
@@ -9,7 +10,10 @@ huge-page arena (as ``specdec.core.linear.pack_layers`` lays out a bf16 model's 
 timed inside C++ (``specdec_cpu::row_linear_timed``: no Python between the products), each
 product alone: a pass's time is the sum of its products' median times, so on a shared machine
 the time slices other processes take drop out.
-Shapes are the built-in target's (its ``config.json``), else a random model of the same size.
+Shapes are the built-in target's (its ``config.json``), else a random model of the same size;
+``target=`` a fetchable name (``smollm2``), a ``.gguf`` file or a checkpoint dir takes that
+model's shapes, and its panels' dtype as our runtime packs them: bfloat16 where its
+``torch_dtype`` is, else float32 (a GGUF's quantized values dequantize to float32).
 
 For each row count: the median time per pass (and the range of the repeats' medians),
 achieved GB/s (weight bytes / time) and GFLOP/s (2 * rows * sum of N * K / time), the
@@ -35,6 +39,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -49,15 +54,33 @@ class KernelBenchConfig:
     threads: int = 2
     repeats: int = 7  # interleaved rounds over the row counts; quick: 3
     passes: int = 200  # timed passes per row count and round (median); quick: 60
+    target: str = "builtin"  # whose shapes: "builtin", a fetchable name ("smollm2"), a .gguf file or a checkpoint dir
 
 
-def target_shapes() -> list[tuple[int, int]]:
-    """(out, in) of a target forward's products in call order: the built-in target's."""
+def target_config(target: str = "builtin") -> dict:
+    """The ``config.json`` keys of ``target`` (see ``KernelBenchConfig.target``); for "builtin"
+    the shipped target's, else a random model's of its size."""
+    from specdec.core.gguf import is_gguf, open_gguf
+    from specdec.zoo_fetch import resolve_target
+
+    if target != "builtin":
+        path = Path(resolve_target(target))
+        return open_gguf(path).hf_config() if is_gguf(path) else json.loads((path / "config.json").read_text())
     cfg = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 10, "num_attention_heads": 4,
-           "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 4096}
+           "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 4096, "torch_dtype": "bfloat16"}
     pair = builtin_pair()
     if pair is not None:
         cfg.update(json.loads((pair[0] / "config.json").read_text()))
+    return cfg
+
+
+def panel_dtype(cfg: dict) -> torch.dtype:
+    """The dtype our runtime packs ``cfg``'s weights in: bfloat16 values stay bf16, others float32."""
+    return torch.bfloat16 if cfg.get("torch_dtype", cfg.get("dtype")) == "bfloat16" else torch.float32
+
+
+def target_shapes(cfg: dict) -> list[tuple[int, int]]:
+    """(out, in) of a forward's products in call order for model config ``cfg``."""
     d, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim") or d // heads
     layer = [((heads + 2 * kv) * hd, d), (d, heads * hd), (2 * cfg["intermediate_size"], d),
@@ -65,10 +88,10 @@ def target_shapes() -> list[tuple[int, int]]:
     return layer * cfg["num_hidden_layers"] + [(cfg["vocab_size"], d)]
 
 
-def packed_arena(shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
-    """Random bf16 weights of ``shapes``, packed, in one huge-page arena, in call order."""
+def packed_arena(shapes: list[tuple[int, int]], dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+    """Random ``dtype`` weights of ``shapes``, packed, in one huge-page arena, in call order."""
     g = torch.Generator().manual_seed(0)
-    panels = [torch.ops.specdec_cpu.row_linear_pack((torch.randn(n, k, generator=g) * k**-0.5).bfloat16())
+    panels = [torch.ops.specdec_cpu.row_linear_pack((torch.randn(n, k, generator=g) * k**-0.5).to(dtype))
               for n, k in shapes]
     offsets, total = [], 0
     for p in panels:
@@ -114,8 +137,9 @@ def main(argv: list[str]) -> None:
     if not cpu_kernels_available():
         sys.exit("kernel.py: specdec's CPU kernels did not build here (see the warning above)")
     repeats, passes = (3, 60) if cfg.quick else (cfg.repeats, cfg.passes)
-    shapes = target_shapes()
-    weights = packed_arena(shapes)
+    model = target_config(cfg.target)
+    shapes, dtype = target_shapes(model), panel_dtype(model)
+    weights = packed_arena(shapes, dtype)
     wbytes = sum(w.numel() * w.element_size() for w in weights)
     macs = sum(n * k for n, k in shapes)
     outs = [n for n, _ in shapes]
@@ -127,7 +151,8 @@ def main(argv: list[str]) -> None:
     gbps = copy_gbps(wbytes // 2, 41)  # source + destination = the weights' bytes: their cache level
     mm_gflops = matmul_gflops(1024 if cfg.quick else 2048, 5 if cfg.quick else 9)
     gflops = max(mm_gflops, max(torch.ops.specdec_cpu.fma_peak(20_000) for _ in range(200)))
-    print(f"{len(shapes)} products, {wbytes / 1e6:.1f} MB of bf16 panels, {macs / 1e6:.1f} M multiply-adds a row; "
+    kind = str(dtype).removeprefix("torch.")
+    print(f"{len(shapes)} products, {wbytes / 1e6:.1f} MB of {kind} panels, {macs / 1e6:.1f} M multiply-adds a row; "
           f"peaks of one thread: copy {dram_gbps:.1f} GB/s (large), {gbps:.1f} GB/s (weights' size), "
           f"torch.mm {mm_gflops:.1f} GFLOP/s, FMA loop {gflops:.1f} GFLOP/s; the roofline takes "
           f"{cfg.threads} x the weights'-size copy and the larger FLOP/s", flush=True)
@@ -163,7 +188,7 @@ def main(argv: list[str]) -> None:
         "bound17_over_bound1": b[17] / b[1] if 17 in b and 1 in b else None,
         "worst_roofline_ratio": max(r["vs_bound"] for r in rows),
         "copy_gbps": gbps, "copy_gbps_large": dram_gbps, "peak_gflops": gflops, "matmul_gflops": mm_gflops,
-        "weight_mb": wbytes / 1e6, "threads": cfg.threads,
+        "weight_mb": wbytes / 1e6, "threads": cfg.threads, "target": cfg.target, "dtype": str(dtype),
         "rows": [{k: v for k, v in r.items() if k != "ms_range"} for r in rows],
     })
 
