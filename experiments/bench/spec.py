@@ -2,6 +2,10 @@
 
     python experiments/bench/spec.py quick=true
     python experiments/bench/spec.py batch_size=4 gammas=[1,2,4,8] 'proposers=[ngram]'
+    python experiments/bench/spec.py batch_size=8 gammas=[4] 'trees=[]' adaptive_gamma=true
+
+``adaptive_gamma=true``: every run picks its γ per step, 0 … the row's γ, by the cost
+model (:mod:`specdec.spec.gamma`; τ counts its plain steps too).
 
 For each proposer (any registered one, by name) and γ: τ, α, tokens/s,
 speedup over our plain decoding of the same target (same prompts, same batch
@@ -107,6 +111,8 @@ class SpecBenchConfig:
     threads: int = 2
     device: str = "cpu"  # cuda: see gpu.sh
     compile: bool = False  # runtime.compile for every pipeline
+    # Every proposer picks its γ (0 … the row's γ) per step by the cost model (specdec/spec/gamma.py).
+    adaptive_gamma: bool = False
     # also run as <name>_tree: eagle_tree, eagle3_tree, draft_model_tree (dynamic), medusa_tree (static), ngram_tree
     trees: list[str] = field(default_factory=lambda: ["draft_model", "eagle", "eagle3", "medusa", "ngram"])
     # Nodes per request per step. 8 verifies as many rows as the longest chain (γ = 8); the
@@ -169,6 +175,8 @@ def method(name: str, gamma: int, path: Path | None, cfg: SpecBenchConfig | None
             extra["tree"] = TreeConfig(kind="static", choices=cfg.static_tree_choices)
         else:
             extra["tree"] = TreeConfig(kind="dynamic", top_k=cfg.tree_top_k, depth=cfg.tree_depth)
+    if cfg.adaptive_gamma:
+        extra["adaptive_gamma"] = True
     return config_class(name)(num_speculative_tokens=gamma, **extra)
 
 

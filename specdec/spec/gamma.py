@@ -4,10 +4,12 @@
 expected tokens per second for the batch at hand:
 
     E[tokens](γ) = Σ_r (1 - a_r^(γ+1)) / (1 - a_r)      # a_r: request r's running acceptance
-    cost(γ)      = T_target(B, γ+1) + γ · T_draft(B)    # specdec.spec.cost.step_cost
+    cost(γ)      = T_target(B, γ+1) + F(γ) · T_draft(B)  # specdec.spec.cost.step_cost
 
 ``T_target(B, n)`` is a forward of ``B`` requests feeding ``n`` tokens each
-(:class:`TargetCost`) and ``T_draft(B)`` one drafting forward of ``B`` requests, both
+(:class:`TargetCost`), ``F(γ)`` the drafter forwards a step of γ runs
+(``DrafterSpec.draft_forwards``: γ for a chain, a dynamic tree's ``depth`` levels
+whatever its node budget γ) and ``T_draft(B)`` one drafting forward of ``B`` requests, both
 timed as they run (``B`` contexts read, not one request of ``B · n`` tokens), from a
 short calibration on first use. γ = 0 is plain decoding, so speculation is turned
 off where it cannot pay: large batches (a compute-bound target verifies γ+1 tokens
@@ -28,7 +30,16 @@ the drafter's, not the noise of its first (worst) drafts.
 Measured step times (:class:`StepTimes`): the cost model counts forwards only; a
 drafting step also packs, verifies, syncs and commits. Once a batch size has run
 both plain steps and steps at some γ, the ratio of their median times replaces the
-model's cost ratio for that γ there.
+model's cost ratio for that γ there. Where the model speculates, nothing would ever
+time a plain step at that batch size, so the model's optimism would stand: until a
+batch size holds ``StepTimes.min_steps`` plain steps, every other step the model
+would draft in runs plain instead (a *probe*, by turns with the drafting steps, so a
+slow spell covers both). A probe costs at most that step's speculative gain; a
+speculation that loses to plain decoding once host work is counted then stops.
+Drafters that draft after verification (EAGLE, Medusa) are not probed: their γ = 0
+step still catches up and drafts one token for the next step (the pipeline's
+``_next_gamma``), so it is no plain step to measure, and the model charges it that
+one drafter forward.
 
 At batch > 1 a step that carries prompt rows decodes plain: drafting there throws
 the requests out of step with each other, and the run ends in part-full batches.
@@ -182,6 +193,11 @@ class StepTimes:
             self._medians[key] = statistics.median(times) if times and len(times) >= self.min_steps else None
         return self._medians[key]
 
+    def count(self, batch: int, gamma: int) -> int:
+        """Steps held at ``(batch size, γ)``."""
+        times = self._times.get((batch, gamma))
+        return len(times) if times is not None else 0
+
     def counts(self) -> dict[tuple[int, int], int]:
         """Steps held, by ``(batch size, γ)``."""
         return {key: len(times) for key, times in self._times.items()}
@@ -212,6 +228,8 @@ def choose_gamma(
     remaining_tokens: float = float("inf"),
     fused: tuple[int, Callable[[int], float]] | None = None,
     measured: Callable[[int, int], float | None] | None = None,
+    draft_forwards: Callable[[int], float] | None = None,
+    plain_draft_forwards: float = 0.0,
 ) -> int:
     """The γ in 0 … ``max_gamma`` with the most expected tokens per second;
     0 (plain decoding) unless the best γ beats it by ``min_gain``.
@@ -228,9 +246,15 @@ def choose_gamma(
     (a compiled drafter runs the method's full γ as one graph, cheaper per draft).
 
     ``measured(B, γ)``: a step at γ over a plain step, as measured at this batch size
-    (:class:`StepTimes`), or None; where given, it replaces the modelled cost ratio."""
+    (:class:`StepTimes`), or None; where given, it replaces the modelled cost ratio.
+
+    ``draft_forwards(γ)``: drafter forwards a step of γ runs (default γ; a dynamic tree
+    runs its ``depth`` levels whatever its node budget).
+
+    ``plain_draft_forwards``: drafter forwards even a γ = 0 step runs (a drafter that
+    drafts after verification catches up and drafts one for the next step)."""
     b = len(accept)
-    t_plain = t_target(b, 1)
+    t_plain = t_target(b, 1) + plain_draft_forwards * t_draft(b)
     plain = b / t_plain
     best, best_rate = 0, plain
     for g in range(1, max_gamma + 1):
@@ -239,7 +263,8 @@ def choose_gamma(
             cost = ratio * t_plain
         else:
             per_draft = fused[1](b) if fused is not None and g == fused[0] else t_draft(b)
-            cost = step_cost(g + 1, lambda n, b=b: t_target(b, int(n)), draft_forwards=g, t_draft=per_draft)
+            forwards = g if draft_forwards is None else draft_forwards(g)
+            cost = step_cost(g + 1, lambda n, b=b: t_target(b, int(n)), draft_forwards=forwards, t_draft=per_draft)
         rate = expected_tokens(accept, g) / cost
         if catch_up_s > 0:
             rate = remaining_tokens / (catch_up_s + remaining_tokens / rate)
@@ -300,10 +325,21 @@ class AdaptiveGamma:
             catch_up = self.catch_up(extra) if extra else 0.0
         remaining = sum(max(1, c.sampling.max_new_tokens - c.num_generated) for c in batch)
         g = choose_gamma(accept, max(gammas), tt, td, pol.min_gain, catch_up_s=catch_up, remaining_tokens=remaining,
-                         fused=self.fused, measured=self.step_times.ratio if self.step_times else None)
+                         fused=self.fused, measured=self.step_times.ratio if self.step_times else None,
+                         draft_forwards=self.proposer.spec.draft_forwards,
+                         plain_draft_forwards=1.0 if self.proposer.spec.drafts_after_verify else 0.0)
         g = pol.explore(g, max(gammas), seen[1])
         self._plain_for = (list(batch), seen) if g == 0 else None
-        return g
+        return 0 if g and self._probe_plain(len(batch), g) else g
+
+    def _probe_plain(self, batch_size: int, gamma: int) -> bool:
+        """Whether this step, which the model would run at ``gamma``, runs plain instead to
+        time plain steps at this batch size (module doc: by turns, until ``min_steps``)."""
+        st = self.step_times
+        if st is None or self.proposer.spec.drafts_after_verify:
+            return False
+        plain = st.count(batch_size, 0)
+        return plain < st.min_steps and plain < st.count(batch_size, gamma)
 
     def record(self, key: int, accepted: int, tried: int) -> None:
         """A request's step verified ``tried`` drafts (up to the first rejected one) and accepted ``accepted``."""

@@ -380,7 +380,7 @@ class SpecDecodePipelineModel:
         times.lap("target_prepare", t)
         return dict(target_inputs=inputs, draft_index=packed.draft_index, draft=draft, sampling=sampling,
                     num_draft=num_draft, ragged=min(look) < gamma, positions=positions, slots=packed.state_slots,
-                    next_gamma=self.config.num_speculative_tokens if after else 0, draft_host=draft_host), look, lens
+                    next_gamma=self._next_gamma() if after else 0, draft_host=draft_host), look, lens
 
     def _commit(self, batch: list[TextContext], out: StepOutput, look: list[int], lens: list[int],
                 gammas: list[int], gamma: int) -> list[list[int] | RequestFailure]:
@@ -408,9 +408,16 @@ class SpecDecodePipelineModel:
             if gamma or after:  # (a step that drafted nothing leaves the proposer nothing to forget)
                 self.proposer.commit(c, ln + k + 1)
             if after:
-                self._ready[c.key] = self.config.num_speculative_tokens
+                self._ready[c.key] = self._next_gamma()
         times.lap("commit", t)
         return new
+
+    def _next_gamma(self) -> int:
+        """Drafts a drafter that drafts after verification leaves for the next step: the
+        method's γ, or under adaptive γ the γ chosen for this step (at least 1: the drafter
+        still catches up), so a step adaptive γ runs plain does not draft the full γ too."""
+        g, a = self.config.num_speculative_tokens, self.adaptive
+        return g if a is None else max(1, min(g, a.step_gamma))
 
     def _read(self, t: torch.Tensor) -> list[Any]:
         """``t.tolist()``: every device-to-host read of a speculative step comes through here,

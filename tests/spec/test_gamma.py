@@ -21,6 +21,7 @@ from specdec.spec.gamma import (
 from specdec.spec.proposers.base import DrafterSpec
 from specdec.spec.proposers.draft_model import DraftModelConfig
 from specdec.spec.proposers.ngram import NgramConfig
+from specdec.spec.tree import TreeConfig
 
 
 def test_expected_tokens() -> None:
@@ -111,6 +112,16 @@ def test_choose_gamma() -> None:
     assert choose_gamma([0.8], 3, flat, quarter, fused=(4, lambda b: 0.1)) == 3  # γ=4 is not on offer
 
 
+def test_a_dynamic_tree_is_charged_its_levels_not_a_forward_per_node() -> None:
+    """A dynamic tree drafts its ``depth`` levels whatever its node budget γ. Flat target,
+    drafts at 0.5, a = 0.8: charged a forward per node, γ = 2 is the best (2.44 / 2 = 1.22,
+    γ = 4: 3.36 / 3 = 1.12); charged its 2 levels, γ = 4 is (3.36 / 2 = 1.68)."""
+    flat = lambda b, n: 1.0  # noqa: E731
+    half = lambda b: 0.5  # noqa: E731
+    assert choose_gamma([0.8], 4, flat, half) == 2
+    assert choose_gamma([0.8], 4, flat, half, draft_forwards=DrafterSpec(depth=2).draft_forwards) == 4
+
+
 def test_step_times_give_a_ratio_once_both_sides_have_enough_steps() -> None:
     st = StepTimes(window=4, min_steps=3)
     for t in (1.0, 1.0):
@@ -147,12 +158,13 @@ def test_measured_step_ratios_replace_the_modelled_cost() -> None:
     assert choose_gamma([0.5] * 2, 1, flat, free, measured=at4) == 1
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_model_tree"])
 def test_adaptive_gamma_is_exact(tiny_llama, method: str) -> None:
     target = tiny_llama(qk_scale=0.3)  # loopy greedy output: n-gram drafts get accepted
     draft = tiny_llama(qk_scale=0.3, perturb=0.01)
+    tree = TreeConfig(kind="dynamic", top_k=2, depth=3) if method.endswith("_tree") else TreeConfig()
     cfg = (NgramConfig(num_speculative_tokens=4, adaptive_gamma=True) if method == "ngram"
-           else DraftModelConfig(path=str(draft.path), num_speculative_tokens=4, adaptive_gamma=True))
+           else DraftModelConfig(path=str(draft.path), num_speculative_tokens=4, adaptive_gamma=True, tree=tree))
     rt = RuntimeConfig(max_batch_size=8, max_seq_len=96)
     prompts = [[1, 2, 3, 4, 5] * 3, [7, 8, 9], [11, 12, 13, 14] * 2, [20]]
     sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -214,6 +226,7 @@ def test_adaptive_gamma_learns_the_drafter_before_it_turns_speculation_off(tiny_
     # A new request starts from the learnt estimate: its first step drafts (the trapped
     # pipeline's would not).
     fresh = [TextContext(request_id="new", tokens=[1, 2, 3], prompt_len=3, sampling=sp)]
+    learns.pipeline.adaptive.step_times = None  # the model's choice (no probe to time plain steps)
     assert learns.pipeline.adaptive.choose(fresh, [4], False) > 0 and trapped.pipeline.adaptive.choose(fresh, [4], False) == 0
 
 
@@ -360,3 +373,106 @@ def test_calibration_fits_the_kv_cache_it_has_or_names_the_setting(tiny_llama) -
     with pytest.raises(ValueError, match=r"raise runtime.num_blocks .*adaptive_gamma=false"):
         LLM(target.path, method=method, runtime=RuntimeConfig(num_blocks=4, block_size=8, max_batch_size=4,
                                                                 max_seq_len=96))
+
+
+def test_where_the_model_speculates_plain_steps_are_timed_by_turns_then_the_measurement_decides() -> None:
+    """The model leaves host work out, so it may speculate where that loses. Until a batch size
+    holds min_steps plain steps, every other step the model would draft in runs plain (timed
+    by turns with the drafting ones); then measured steps decide: a drafting step at 4x a
+    plain one loses (plain from then on), at 1.2x it pays (drafting, no more probes)."""
+    for spec_time, pays in ((4.0, False), (1.2, True)):
+        ag, (a, b, _) = _policy(prior_accept=0.9, explore_tokens=0)
+        st = ag.step_times
+        assert st is not None
+        picks = []
+        for _ in range(64):
+            g = ag.choose([a, b], [4, 4], False)
+            picks.append(g)
+            ag.record_step(2, spec_time if g else 1.0)
+        assert picks[0] > 0 and picks[1] == 0 and picks[2] > 0  # probes by turns ...
+        assert picks[: 2 * st.min_steps].count(0) == st.min_steps
+        if pays:  # ... only until plain is timed
+            assert 0 not in picks[2 * st.min_steps:] and st.count(2, 0) == st.min_steps
+        else:
+            assert picks[-8:] == [0] * 8 and ag.still_plain([a, b])
+
+
+def test_a_drafter_that_drafts_after_verification_is_not_probed() -> None:
+    """An EAGLE-style drafter's γ = 0 step still drafts for the next one: no plain step to time."""
+    ag, (a, b, _) = _policy(prior_accept=0.9, explore_tokens=0)
+    ag.proposer = types.SimpleNamespace(spec=DrafterSpec(drafts_after_verify=True))
+    for _ in range(4):
+        assert ag.choose([a, b], [4, 4], False) > 0
+        ag.record_step(2, 1.0)
+
+
+def test_a_speculating_pipeline_times_plain_steps_and_stays_exact(tiny_llama) -> None:
+    """A real run where the model speculates: some decode steps at batch 2 run plain (the
+    probes), the rest draft, and every output is plain decoding's."""
+    llm = _adaptive(tiny_llama, explore_tokens=0)  # the flat cost model: speculates
+    prompts, sp = [[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=40, ignore_eos=True)
+    plain = LLM(tiny_llama(seed=0).path, runtime=RuntimeConfig(max_batch_size=2, max_seq_len=96))
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == [o.token_ids for o in plain.generate(prompts, sp)]
+    st = llm.pipeline.adaptive.step_times
+    assert 0 < st.count(2, 0) <= st.min_steps
+    assert any(n for (b, g), n in st.counts().items() if b == 2 and g > 0)
+    assert llm.pipeline.stats().counts.proposed > 0
+
+
+def test_where_nothing_pays_a_step_is_a_plain_step_and_the_drafter_does_no_work(tiny_llama) -> None:
+    """A compute-bound target (verifying n tokens costs n plain steps): every decode step
+    takes plain decoding's path (PlainGeneration.decode); the drafter is never asked to
+    draft and the draft-and-verify module never runs; outputs are plain decoding's."""
+    llm = _adaptive(tiny_llama, explore_tokens=0)
+    pipe = llm.pipeline
+    pipe.adaptive.curves = (TargetCost.measure(lambda b, n: float(b * n), [1, 2], 5), CostCurve(lambda b: 0.3, [1, 2]))
+    calls = {"prepare": 0, "module": 0, "plain": 0}
+    prepare, module, decode = pipe.proposer.prepare, pipe.module.forward, pipe.plain.decode
+
+    def count(name, fn):
+        def spy(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return spy
+
+    pipe.proposer.prepare, pipe.module.forward, pipe.plain.decode = (
+        count("prepare", prepare), count("module", module), count("plain", decode))
+    prompts, sp = [[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = LLM(tiny_llama(seed=0).path, runtime=RuntimeConfig(max_batch_size=2, max_seq_len=96))
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == [o.token_ids for o in plain.generate(prompts, sp)]
+    assert calls["prepare"] == calls["module"] == 0
+    assert calls["plain"] >= 23  # every decode step (24 tokens each, one per step, both requests at once)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("pays", [False, True])
+def test_a_drafter_that_drafts_after_verification_drafts_one_where_adaptive_gamma_runs_plain(
+        tiny_llama, pays: bool, tree: bool) -> None:
+    """EAGLE drafts the next step's tokens after verification. Where adaptive γ runs a step
+    plain it drafts just one (the head still catches up, so speculation can resume), not the
+    method's γ; where speculation pays it drafts the full γ. Outputs are plain decoding's."""
+    from eagle_heads import head_for  # tests/spec/eagle_heads.py
+
+    from specdec.spec.proposers.eagle import EagleConfig
+
+    target = tiny_llama(seed=0, qk_scale=0.1)
+    shape = TreeConfig(kind="static", choices=[[0], [1], [0, 0], [0, 1]]) if tree else TreeConfig()
+    llm = LLM(target.path, method=EagleConfig(path=str(head_for(target, "eagle-echo")), num_speculative_tokens=4,
+                                              adaptive_gamma=True, tree=shape),
+              runtime=RuntimeConfig(max_batch_size=2, max_seq_len=96))
+    ag = llm.pipeline.adaptive
+    ag.policy = GammaPolicyConfig(adaptive=True, explore_tokens=0, prior_accept=0.9)
+    cost = (lambda b, n: 1.0) if pays else (lambda b, n: float(b * n))  # noqa: E731  flat or compute-bound
+    ag.curves = (TargetCost.measure(cost, [1, 2], 5), CostCurve(lambda b: 0.05, [1, 2]))
+    drafted: list[int] = []
+    draft_after = llm.pipeline.proposer.drafter.draft_after
+
+    def spy(step, gamma, sampling):
+        drafted.append(gamma)
+        return draft_after(step, gamma, sampling)
+
+    llm.pipeline.proposer.drafter.draft_after = spy
+    prompts, sp = [[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=16, ignore_eos=True)
+    plain = LLM(target.path, runtime=RuntimeConfig(max_batch_size=2, max_seq_len=96))
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == [o.token_ids for o in plain.generate(prompts, sp)]
+    assert drafted and (max(drafted) == 4 if pays else set(drafted) == {1})
