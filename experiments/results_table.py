@@ -1,14 +1,17 @@
-"""Render README.md's results table from the measurement records in results/*.jsonl.
+"""Render README.md's results tables from the measurement records in results/*.jsonl.
 
 Each line of a results file is one measurement: ``date`` ("YYYY-MM-DD …"),
 ``commit``, ``command``, ``machine`` (CPU, cores, torch …), ``figures`` and a
-one-line ``note`` (format: results/README.md). The README shows the newest
-``make run`` record as a table, its machine record under it, between
-``<!-- results:start -->`` and ``<!-- results:end -->``; figures are never
-typed into the README by hand.
+one-line ``note`` (format: results/README.md). Between ``<!-- results:start -->``
+and ``<!-- results:end -->`` the README shows the newest ``results/real.jsonl``
+record (the real target on Spec-Bench): a method table, a per-category table of
+τ / speedup and its machine record; then one line from the newest ``make run``
+record (the built-in pair, the smoke test). Methods and categories are whatever
+the record's ``<method>/<figure>`` and ``<method>/<category>/<figure>`` keys
+name; figures are never typed into the README by hand.
 
-    python experiments/results_table.py           # rewrite the README's table
-    python experiments/results_table.py --check   # exit 1 if the README's table is not the records'
+    python experiments/results_table.py           # rewrite the README's tables
+    python experiments/results_table.py --check   # exit 1 if the README's tables are not the records'
 
 Standard library only, so it runs before the venv exists.
 """
@@ -82,25 +85,92 @@ def _machine_line(m: dict) -> str:
     return "; ".join(parts)
 
 
-def render(records: list[dict]) -> str:
-    """The markdown between the markers: the newest ``make run`` record's table and its machine."""
-    runs = [r for r in records if r["command"].split("|")[0].strip().startswith("make run")]
-    if not runs:
-        raise RecordError("no 'make run' record in results/*.jsonl to render")
-    rec = max(runs, key=lambda r: r["date"])
-    figs = rec["figures"]
-    methods = list(dict.fromkeys(k.split("/", 1)[0] for k in figs if "/" in k))
-    lines = ["| method | " + " | ".join(h for h, _, _ in COLUMNS) + " |",
-             "| --- " * (len(COLUMNS) + 1) + "|"]
-    for m in methods:
-        lines.append(f"| {m} | " + " | ".join(_cell(figs.get(f"{m}/{k}"), d) for _, k, d in COLUMNS) + " |")
+def _newest(records: list[dict]) -> dict:
+    """The record with the latest date; the later line where dates tie."""
+    return sorted(records, key=lambda r: r["date"])[-1]
+
+
+def _provenance(rec: dict) -> str:
     commit = f" at commit `{rec['commit']}`" if rec.get("commit") else ""
-    lines += ["", f"`{rec['command']}` on {rec['date']}{commit} (`results/{rec['_file']}`).",
-              f"Machine: {_machine_line(rec['machine'])}."]
+    return f"`{rec['command']}` on {rec['date']}{commit} (`results/{rec['_file']}`)"
+
+
+def _methods(figs: dict) -> list[str]:
+    """The methods a record's figures name, plain (the baseline) first, then in record order."""
+    names = list(dict.fromkeys(k.split("/", 1)[0] for k in figs if "/" in k))
+    return sorted(names, key=lambda m: m != "plain")
+
+
+def method_table(figs: dict) -> list[str]:
+    """One row per method; a column only where some method has that figure. Plain's speedup
+    and τ are 1 by definition (one token per target forward, the baseline) where not recorded."""
+    methods = _methods(figs)
+    base = {"plain/speedup": 1.0, "plain/tau": 1.0} if "plain" in methods else {}
+    figs = {**base, **figs}
+    cols = [c for c in COLUMNS if any(f"{m}/{c[1]}" in figs for m in methods)]
+    lines = ["| method | " + " | ".join(h for h, _, _ in cols) + " |", "| --- " * (len(cols) + 1) + "|"]
+    for m in methods:
+        lines.append(f"| {m} | " + " | ".join(_cell(figs.get(f"{m}/{k}"), d) for _, k, d in cols) + " |")
+    return lines
+
+
+def category_table(figs: dict) -> list[str]:
+    """Rows: the categories of ``<method>/<category>/tau|speedup`` keys; a "τ / ×speedup" column per method."""
+    per = [k.split("/") for k in figs if k.count("/") == 2 and k.rsplit("/", 1)[1] in ("tau", "speedup")]
+    if not per:
+        return []
+    methods = [m for m in _methods(figs) if any(p[0] == m for p in per)]
+    cats = list(dict.fromkeys(p[1] for p in per))
+
+    def cell(m: str, c: str) -> str:
+        tau, speedup = figs.get(f"{m}/{c}/tau"), figs.get(f"{m}/{c}/speedup")
+        return f"{_cell(tau, 2)} / " + ("–" if speedup is None else f"×{_cell(speedup, 2)}")
+
+    lines = ["| category: τ / speedup | " + " | ".join(methods) + " |",
+             "| --- " * (len(methods) + 1) + "|"]
+    lines += [f"| {c} | " + " | ".join(cell(m, c) for m in methods) + " |" for c in cats]
+    return lines
+
+
+def smoke_line(rec: dict, headline_machine: dict) -> str:
+    """The newest ``make run`` record in one line: plain's tok/s, each method's speedup and τ;
+    its machine spelled out unless the headline's record holds every field of it."""
+    figs = rec["figures"]
+    parts = []
+    for m in _methods(figs):
+        if m == "plain":
+            if "plain/tok_s" in figs:
+                parts.append(f"plain {_cell(figs['plain/tok_s'], 1)} tok/s")
+            continue
+        speedup, tau = figs.get(f"{m}/speedup"), figs.get(f"{m}/tau")
+        parts.append(f"{m} " + ("–" if speedup is None else f"×{_cell(speedup, 2)}")
+                     + ("" if tau is None else f" (τ {_cell(tau, 2)})"))
+    same = all(headline_machine.get(k) == v for k, v in rec["machine"].items())
+    machine = ("same machine" if same
+               else f"machine: {_machine_line(rec['machine'])}")
+    return f"Smoke test on the built-in pair, {_provenance(rec)}, {machine}: {', '.join(parts)}."
+
+
+def render(records: list[dict]) -> str:
+    """The markdown between the markers: the newest real.jsonl record's tables and machine,
+    then the newest ``make run`` record in one line (where there is one)."""
+    real = [r for r in records if r["_file"] == "real.jsonl"]
+    if not real:
+        raise RecordError("no record in results/real.jsonl (experiment=real) to render")
+    rec = _newest(real)
+    figs = rec["figures"]
+    lines = method_table(figs)
+    cats = category_table(figs)
+    if cats:
+        lines += [""] + cats
+    lines += ["", f"{_provenance(rec)}.", f"Machine: {_machine_line(rec['machine'])}."]
     if rec.get("setup"):
         lines.append(f"Setup: {rec['setup']}.")
     if rec.get("note"):
         lines.append(f"Note: {rec['note']}.")
+    runs = [r for r in records if r["command"].split("|")[0].strip().startswith("make run")]
+    if runs:
+        lines += ["", smoke_line(_newest(runs), rec["machine"])]
     return "\n".join(lines)
 
 
@@ -115,7 +185,7 @@ def splice(readme: str, table: str, name: str = "README.md") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if the README's table differs from the records'")
+    ap.add_argument("--check", action="store_true", help="exit 1 if the README's tables differ from the records'")
     ap.add_argument("--readme", type=Path, default=ROOT / "README.md")
     ap.add_argument("--results", type=Path, default=ROOT / "results")
     args = ap.parse_args(argv)
@@ -127,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.check:
         if wanted != current:
-            print(f"results_table: {args.readme}'s results table is not what {args.results}/*.jsonl give; "
+            print(f"results_table: {args.readme}'s results tables are not what {args.results}/*.jsonl give; "
                   f"run python experiments/results_table.py", file=sys.stderr)
             return 1
         return 0

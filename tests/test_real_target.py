@@ -169,7 +169,8 @@ def test_shipped_spec_bench_questions_by_category():
         "mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")}
     assert all(len(p.turns) == 2 for p in prompts if p.source == "mt_bench")
     real = build_components(to_run_config(_compose(["experiment=real"])))
-    assert real.target == "smollm2" and list(real.methods) == ["ngram", "eagle3", "layer_skip"] and real.data.chat
+    assert real.target == "smollm2" and list(real.methods) == ["ngram", "eagle3", "medusa", "layer_skip"]
+    assert Path(real.methods["medusa"].path).name == "smollm2-medusa" and real.data.chat  # SmolLM2's own heads
     few = load_prompts(real.data)
     assert [p.id for p in few if p.source == "qa"] == ["321", "322", "323"]
     assert Counter(p.source for p in few) == {c: real.data.limit_per_source for c in Counter(

@@ -1,4 +1,4 @@
-"""The README's results table is generated from results/*.jsonl, and every record carries its machine."""
+"""The README's results tables are generated from results/*.jsonl, and every record carries its machine."""
 
 from __future__ import annotations
 
@@ -19,11 +19,25 @@ MACHINE = {"cpu": "Test CPU", "cores": 2, "torch": "2.13.0+cpu"}
 
 
 def _record(**over):
+    """A ``make run`` record (the built-in pair)."""
     rec = {"date": "2026-01-01 00:00 UTC", "commit": "abc1234", "command": "make run", "machine": MACHINE,
            "figures": {"plain/tok_s": 100.0, "plain/speedup": 1.0, "plain/tau": 1.0,
                        "ngram/tok_s": 150.0, "ngram/speedup": 1.5, "ngram/tau": 2.5, "ngram/alpha": 0.5,
                        "ngram/limit": 1.6, "ngram/efficiency": 0.94, "ngram/equal": True},
            "note": "a test record"}
+    rec.update(over)
+    return rec
+
+
+def _real(**over):
+    """An ``experiment=real`` record: methods and categories as its keys name them, plain listed last."""
+    figs = {"ngram/speedup": 1.24, "ngram/tau": 1.72, "ngram/equal": True, "ngram/efficiency": 0.93,
+            "eagle3_tree/speedup": 0.8, "eagle3_tree/tau": 2.1, "eagle3_tree/equal": False,
+            "ngram/mt_bench/tau": 1.56, "ngram/mt_bench/speedup": 1.25, "ngram/rag/tau": 1.96,
+            "ngram/rag/speedup": 1.22, "eagle3_tree/mt_bench/tau": 2.0, "eagle3_tree/mt_bench/speedup": 0.75,
+            "eagle3_tree/rag/tau": 2.2, "plain/tok_s": 59.0}
+    rec = {"date": "2026-01-02 00:00 UTC", "commit": "def5678", "machine": {**MACHINE, "blas": "MKL"},
+           "command": "python -m specdec.run experiment=real", "setup": "Spec-Bench, batch 1", "figures": figs}
     rec.update(over)
     return rec
 
@@ -39,25 +53,65 @@ def test_readme_table_is_what_the_records_give():
     assert results_table.main(["--check"]) == 0
 
 
-def test_check_fails_on_a_hand_edited_table_and_the_generator_restores_it(tmp_path, capsys):
+def test_the_newest_real_record_is_the_headline_and_make_run_a_smoke_line(tmp_path, capsys):
     results = tmp_path / "results"
     results.mkdir()
+    _write(results / "real.jsonl", [_real(date="2026-01-03 00:00 UTC", figures={"other/tau": 9.0}),
+                                    _real(date="2026-01-04 00:00 UTC")])  # the newest is the later date
     _write(results / "make_run.jsonl", [_record(date="2025-12-31 00:00 UTC", figures={"plain/tok_s": 1.0}),
                                         _record()])
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- results:start -->\n<!-- results:end -->\nrest\n")
     args = ["--readme", str(readme), "--results", str(results)]
-    assert results_table.main(args + ["--check"]) == 1  # empty table
+    assert results_table.main(args + ["--check"]) == 1  # empty block
     assert results_table.main(args) == 0
     text = readme.read_text()
-    assert "| ngram | 150.0 | 1.50 | 2.50 | 0.500 | 1.60 | 0.94 | yes |" in text  # the newest make run record
-    assert "| plain | 100.0 | 1.00 | 1.00 | – | – | – | – |" in text
-    assert "Test CPU, 2 cores" in text and text.startswith("intro\n") and text.endswith("rest\n")
+    block = text.split("<!-- results:start -->\n")[1].split("\n<!-- results:end -->")[0].splitlines()
+    # plain first; a column only where some method has the figure (no α, no limit here)
+    assert block[:5] == ["| method | tok/s | speedup | τ | efficiency | equal |",
+                         "| --- | --- | --- | --- | --- | --- |",
+                         "| plain | 59.0 | 1.00 | 1.00 | – | – |",
+                         "| ngram | – | 1.24 | 1.72 | 0.93 | yes |",
+                         "| eagle3_tree | – | 0.80 | 2.10 | – | no |"]
+    assert block[6:10] == ["| category: τ / speedup | ngram | eagle3_tree |", "| --- | --- | --- |",
+                           "| mt_bench | 1.56 / ×1.25 | 2.00 / ×0.75 |", "| rag | 1.96 / ×1.22 | 2.20 / – |"]
+    assert "`python -m specdec.run experiment=real` on 2026-01-04 00:00 UTC at commit `def5678`" in text
+    assert "Test CPU, 2 cores; torch 2.13.0+cpu; blas MKL" in text and "Setup: Spec-Bench, batch 1." in text
+    assert "other" not in text  # the older real record is not shown
+    assert block[-1].startswith("Smoke test on the built-in pair, `make run` on 2026-01-01")
+    assert "same machine: plain 100.0 tok/s, ngram ×1.50 (τ 2.50)." in block[-1]
+    assert text.startswith("intro\n") and text.endswith("rest\n")
     assert results_table.main(args + ["--check"]) == 0
-    readme.write_text(text.replace("150.0", "160.0"))
+
+
+def test_check_fails_on_a_stale_or_hand_edited_readme(tmp_path, capsys):
+    results = tmp_path / "results"
+    results.mkdir()
+    _write(results / "real.jsonl", [_real()])
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- results:start -->\n<!-- results:end -->\n")
+    args = ["--readme", str(readme), "--results", str(results)]
+    assert results_table.main(args) == 0 and results_table.main(args + ["--check"]) == 0
+    text = readme.read_text()
+    readme.write_text(text.replace("1.24", "1.42"))  # a hand-edited figure
     capsys.readouterr()
     assert results_table.main(args + ["--check"]) == 1
-    assert "results table is not what" in capsys.readouterr().err
+    assert "results tables are not what" in capsys.readouterr().err
+    readme.write_text(text)
+    _write(results / "real.jsonl", [_real(), _real(date="2026-02-01 00:00 UTC",
+                                                   figures={**_real()["figures"], "medusa/speedup": 1.1})])
+    assert results_table.main(args + ["--check"]) == 1  # a newer record with another method: stale
+    assert results_table.main(args) == 0 and "| medusa | – | 1.10 |" in readme.read_text()
+
+
+def test_no_real_record_is_named(tmp_path, capsys):
+    results = tmp_path / "results"
+    results.mkdir()
+    _write(results / "make_run.jsonl", [_record()])
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- results:start -->\n<!-- results:end -->\n")
+    assert results_table.main(["--readme", str(readme), "--results", str(results), "--check"]) == 2
+    assert "results/real.jsonl" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("bad", [{"machine": None}, "no machine key", {"machine": {"cpu": "x", "cores": 2}}])
