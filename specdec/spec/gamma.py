@@ -15,11 +15,22 @@ short calibration on first use. γ = 0 is plain decoding, so speculation is turn
 off where it cannot pay: large batches (a compute-bound target verifies γ+1 tokens
 for nearly γ+1 times the cost) or low acceptance.
 
-``a_r`` is accepted / tried: a step that accepts ``k`` of its γ drafts tried
-``k + 1`` (up to the first rejected one), or γ if all were accepted — the
-maximum-likelihood estimate of the geometric model above (accepted / proposed
-reads low and drafts too little). Its prior, worth ``prior_weight`` drafts, is the
-drafter's acceptance over every request so far (itself from ``prior_accept``).
+``a_r`` is accepted / tried: a step that accepts ``k`` of its γ drafts tried ``k + 1``
+(up to the first rejected one), or ``k`` if none was rejected (all γ, or a tree's path
+to its deepest node) — the maximum-likelihood estimate of the geometric model above
+(accepted / proposed reads low and drafts too little). Its prior, worth ``prior_weight``
+drafts, is the drafter's acceptance over every request so far (from ``prior_accept``).
+
+Trees (γ a node budget, ``DrafterSpec.node_budget``): n nodes side by side are not n
+deep, so the model above over-credits a wide tree. A tree step picks among plain, the
+chain-sized tree (as many nodes as the budget's tree is deep, ``TreeConfig.depth_at``)
+and the whole budget N, each expected to give 1 + the accepted tokens per request step
+learnt at that node count (drafter-wide; before any, the model above at N, no deeper
+than the count's tree, worth ``prior_weight`` steps: optimistic, so an untried count
+gets tried), each costed as above at its n nodes (or by its measured step ratio),
+``min_gain`` and plain-step probes as for a chain. A drafter drafts the count chosen
+(a dynamic tree its best n candidates, a static tree its first n choices); one that
+drafts after verification drafts it for the next step, which verifies at most that.
 
 Exploration: a prior that is too low picks γ = 0, and a pipeline that never drafts
 never learns better. So until ``explore_tokens`` drafts have been verified,
@@ -230,10 +241,14 @@ def choose_gamma(
     measured: Callable[[int, int], float | None] | None = None,
     draft_forwards: Callable[[int], float] | None = None,
     plain_draft_forwards: float = 0.0,
+    candidates: Sequence[int] | None = None,
+    tokens: Callable[[int], float] | None = None,
 ) -> int:
     """The γ in 0 … ``max_gamma`` with the most expected tokens per second;
     0 (plain decoding) unless the best γ beats it by ``min_gain``.
     ``t_target(B, n)``: a forward of B requests of n tokens each.
+    ``candidates``: the γ on offer besides 0 (default 1 … ``max_gamma``); ``tokens(γ)``:
+    the batch's expected tokens of a step at γ (default :func:`expected_tokens` of ``accept``).
 
     ``catch_up_s``: a one-time cost of starting to speculate (a draft model
     reading prompts it has not seen), paid back only over the batch's
@@ -257,7 +272,7 @@ def choose_gamma(
     t_plain = t_target(b, 1) + plain_draft_forwards * t_draft(b)
     plain = b / t_plain
     best, best_rate = 0, plain
-    for g in range(1, max_gamma + 1):
+    for g in range(1, max_gamma + 1) if candidates is None else candidates:
         ratio = measured(b, g) if measured is not None else None
         if ratio is not None:
             cost = ratio * t_plain
@@ -265,7 +280,7 @@ def choose_gamma(
             per_draft = fused[1](b) if fused is not None and g == fused[0] else t_draft(b)
             forwards = g if draft_forwards is None else draft_forwards(g)
             cost = step_cost(g + 1, lambda n, b=b: t_target(b, int(n)), draft_forwards=forwards, t_draft=per_draft)
-        rate = expected_tokens(accept, g) / cost
+        rate = (expected_tokens(accept, g) if tokens is None else tokens(g)) / cost
         if catch_up_s > 0:
             rate = remaining_tokens / (catch_up_s + remaining_tokens / rate)
         if rate > best_rate:
@@ -288,6 +303,7 @@ class AdaptiveGamma:
         self.target, self.proposer = target, proposer
         self.running: dict[int, list[int]] = {}  # [accepted, tried] per live request (TextContext.key)
         self.drafter = [0, 0]  # the same over every request so far (the prior)
+        self.by_size: dict[int, list[int]] = {}  # a tree's [accepted, request steps] by node count, drafter-wide
         self.curves: tuple[TargetCost, CostCurve] | None = None
         self.catch_up: CostCurve | None = None  # seconds for the drafter to read n unseen tokens
         self.fused: tuple[int, CostCurve] | None = None  # (method γ, T_draft(B) there) when it differs
@@ -324,13 +340,33 @@ class AdaptiveGamma:
             extra = sum(u for u in map(self.proposer.unseen_tokens, batch) if u > max(gammas) + 1)
             catch_up = self.catch_up(extra) if extra else 0.0
         remaining = sum(max(1, c.sampling.max_new_tokens - c.num_generated) for c in batch)
+        sizes = tokens = None
+        if self.proposer.spec.node_budget:  # a tree: its node counts on offer, priced as learnt
+            sizes, tokens = self._tree_sizes(accept, max(gammas))
         g = choose_gamma(accept, max(gammas), tt, td, pol.min_gain, catch_up_s=catch_up, remaining_tokens=remaining,
                          fused=self.fused, measured=self.step_times.ratio if self.step_times else None,
                          draft_forwards=self.proposer.spec.draft_forwards,
-                         plain_draft_forwards=1.0 if self.proposer.spec.drafts_after_verify else 0.0)
+                         plain_draft_forwards=1.0 if self.proposer.spec.drafts_after_verify else 0.0,
+                         candidates=sizes, tokens=tokens)
         g = pol.explore(g, max(gammas), seen[1])
         self._plain_for = (list(batch), seen) if g == 0 else None
         return 0 if g and self._probe_plain(len(batch), g) else g
+
+    def _tree_sizes(self, accept: Sequence[float], budget: int) -> tuple[list[int], Callable[[int], float]]:
+        """A tree's node counts on offer (the chain-sized tree, as many nodes as it is deep, and
+        the ``budget``) and the batch's expected tokens at each (module doc): per request, 1 +
+        the accepted per step learnt at that count, from a prior worth ``prior_weight`` steps:
+        the chain model's at the budget (optimistic: an untried count gets tried), no deeper
+        than the count's tree."""
+        tree = getattr(getattr(self.proposer, "config", None), "tree", None)
+        depth = tree.depth_at if tree is not None else (lambda n: n)
+        prior, w = expected_tokens(accept, budget) / len(accept) - 1, self.policy.prior_weight
+
+        def tokens(n: int) -> float:
+            accepted, steps = self.by_size.get(n, (0, 0))
+            return len(accept) * (1 + (accepted + min(prior, depth(n)) * w) / (steps + w))
+
+        return sorted({min(depth(budget), budget), budget}), tokens
 
     def _probe_plain(self, batch_size: int, gamma: int) -> bool:
         """Whether this step, which the model would run at ``gamma``, runs plain instead to
@@ -341,8 +377,13 @@ class AdaptiveGamma:
         plain = st.count(batch_size, 0)
         return plain < st.min_steps and plain < st.count(batch_size, gamma)
 
-    def record(self, key: int, accepted: int, tried: int) -> None:
-        """A request's step verified ``tried`` drafts (up to the first rejected one) and accepted ``accepted``."""
+    def record(self, key: int, accepted: int, tried: int, size: int = 0) -> None:
+        """A request's step verified ``tried`` drafts (up to the first rejected one) and accepted
+        ``accepted`` of the ``size`` it was given (a tree's node count)."""
+        if size:
+            by_size = self.by_size.setdefault(size, [0, 0])
+            by_size[0] += accepted
+            by_size[1] += 1
         running = self.running.get(key)
         if running is None:
             running = self.running[key] = [0, 0]

@@ -399,8 +399,8 @@ class SpecDecodePipelineModel:
                 continue
             self._counts(c).record(n, k, depth=depth)
             new.append(toks[: k + 1])
-            if g and a is not None:  # drafts were asked for (found or not)
-                a.record(c.key, k, k + (k < g))  # tried: up to the first rejected (or missing) draft
+            if g and a is not None:  # drafts were asked for (found or not); a tree accepted to its depth rejected none
+                a.record(c.key, k, k + (k < (g if depth is None else depth)), size=g if self.spec.node_budget else 0)
             # The target was fed through ln + n and keeps the committed tokens but the last
             # (fed next step): only rejected drafts (n > k) roll back.
             if n > k:

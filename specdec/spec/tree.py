@@ -218,6 +218,16 @@ class TreeConfig:
         n = self.total_tokens or gamma
         return min(n, len(self.choices)) if self.kind == "static" and self.choices else n
 
+    def depth_at(self, nodes: int) -> int:
+        """The deepest node a step of ``nodes`` draft nodes can reach: a chain's ``nodes``, a
+        dynamic tree's ``min(depth, nodes)`` (its best ``nodes`` candidates), a static tree's
+        deepest path among its first ``nodes`` choices (as a step drafts them)."""
+        if self.kind == "dynamic":
+            return min(self.depth, nodes)
+        if self.kind == "static" and self.choices:
+            return max((len(c) for c in self.choices[:nodes]), default=0)
+        return nodes
+
     def scratch_rows(self, gamma: int) -> int:
         """KV rows a drafter writes per request drafting a tree past its context (0: a chain):
         a dynamic tree's frontiers, ``(depth - 1) · top_k``; a static tree's nodes, ``gamma``."""

@@ -122,6 +122,38 @@ def test_a_dynamic_tree_is_charged_its_levels_not_a_forward_per_node() -> None:
     assert choose_gamma([0.8], 4, flat, half, draft_forwards=DrafterSpec(depth=2).draft_forwards) == 4
 
 
+def _tree_policy(t_target, accepted: dict[int, int]) -> AdaptiveGamma:
+    """Adaptive γ for a dynamic tree 3 deep with a budget of 12 nodes, drafts at 0.1 a level,
+    after 100 request steps at each node count in ``accepted`` (its accepted tokens each)."""
+    tree = TreeConfig(kind="dynamic", top_k=4, depth=3, total_tokens=12)
+    proposer = types.SimpleNamespace(spec=DrafterSpec(node_budget=True, depth=3),
+                                     config=types.SimpleNamespace(tree=tree))
+    ag = AdaptiveGamma(GammaPolicyConfig(adaptive=True, explore_tokens=0), 12, target=None, proposer=proposer,
+                       measure_steps=False)
+    ag.curves = (TargetCost.measure(t_target, [1, 4], 13), CostCurve(lambda b: 0.1, [1, 4]))
+    for size, k in accepted.items():
+        for key in range(100):
+            ag.record(key, k, k + (k < 3), size=size)
+    return ag
+
+
+def test_a_tree_picks_plain_the_chain_sized_tree_or_its_budget_by_what_each_size_accepts() -> None:
+    """Batch 4, tree 3 deep, budget 12 (both sizes draft 3 levels: 0.3). (a) Flat target, the
+    wide tree accepts 2 a step, the chain-sized one 1: 12 / 1.3 = 9.2 tokens a unit beats
+    8 / 1.3 = 6.2 (and plain's 4): 12 nodes. (b) A target whose forward grows 0.15 a token:
+    12 nodes cost 1 + 1.8 + 0.3 = 3.1 (12 / 3.1 = 3.9 < plain's 4), 3 nodes 1.75 (8 / 1.75 =
+    4.6): 3 nodes. (c) Nothing accepted: plain. (d) A size never run (a budget capped to 8) is
+    credited the budget's estimate (chain model, acceptance 0.6: 1.5 accepted), so it is tried."""
+    sp = SamplingParams(max_new_tokens=64)
+    batch = [TextContext(request_id=r, tokens=[1, 2, 3], prompt_len=3, sampling=sp) for r in "abcd"]
+    flat = lambda b, n: 1.0  # noqa: E731
+    growing = lambda b, n: 1.0 + 0.15 * (n - 1)  # noqa: E731
+    assert _tree_policy(flat, {3: 1, 12: 2}).choose(batch, [12] * 4, False) == 12
+    assert _tree_policy(growing, {3: 1, 12: 2}).choose(batch, [12] * 4, False) == 3
+    assert _tree_policy(flat, {3: 0, 12: 0}).choose(batch, [12] * 4, False) == 0
+    assert _tree_policy(flat, {3: 1, 12: 2}).choose(batch, [8] * 4, False) == 8
+
+
 def test_step_times_give_a_ratio_once_both_sides_have_enough_steps() -> None:
     st = StepTimes(window=4, min_steps=3)
     for t in (1.0, 1.0):
@@ -158,20 +190,77 @@ def test_measured_step_ratios_replace_the_modelled_cost() -> None:
     assert choose_gamma([0.5] * 2, 1, flat, free, measured=at4) == 1
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_model_tree"])
-def test_adaptive_gamma_is_exact(tiny_llama, method: str) -> None:
-    target = tiny_llama(qk_scale=0.3)  # loopy greedy output: n-gram drafts get accepted
+_STATIC = [[0], [1], [0, 0], [0, 1], [0, 0, 0], [1, 0]]  # 6 nodes, 3 deep: its first 3 reach depth 2
+
+
+def _adaptive_method(tiny_llama, target, method: str):
+    """(config, budget N, chain-sized count D) of ``method`` under adaptive γ."""
+    from eagle_heads import head_for  # tests/spec/eagle_heads.py
+    from medusa_heads import medusa_for  # tests/spec/medusa_heads.py
+
+    from specdec.spec.proposers.eagle import Eagle3Config
+    from specdec.spec.proposers.medusa import MedusaConfig
+
     draft = tiny_llama(qk_scale=0.3, perturb=0.01)
-    tree = TreeConfig(kind="dynamic", top_k=2, depth=3) if method.endswith("_tree") else TreeConfig()
-    cfg = (NgramConfig(num_speculative_tokens=4, adaptive_gamma=True) if method == "ngram"
-           else DraftModelConfig(path=str(draft.path), num_speculative_tokens=4, adaptive_gamma=True, tree=tree))
+    dynamic = TreeConfig(kind="dynamic", top_k=2, depth=3, total_tokens=6)
+    static = TreeConfig(kind="static", choices=_STATIC)
+    if method == "ngram":
+        return NgramConfig(num_speculative_tokens=4, adaptive_gamma=True), 4, 4
+    if method == "medusa_static_tree":
+        return MedusaConfig(path=str(medusa_for(target, "medusa-echo")), num_speculative_tokens=6,
+                            adaptive_gamma=True, tree=static), 6, 3
+    if method == "eagle3_tree":
+        return Eagle3Config(path=str(head_for(target, "eagle3")), num_speculative_tokens=6, adaptive_gamma=True,
+                            tree=dynamic), 6, 3
+    tree = {"draft_model": TreeConfig(), "draft_model_tree": dynamic, "draft_model_static_tree": static}[method]
+    return DraftModelConfig(path=str(draft.path), num_speculative_tokens=6 if tree.is_tree else 4,
+                            adaptive_gamma=True, tree=tree), (6 if tree.is_tree else 4), (3 if tree.is_tree else 4)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_model_tree", "draft_model_static_tree",
+                                    "eagle3_tree", "medusa_static_tree"])
+def test_adaptive_gamma_is_exact(tiny_llama, method: str) -> None:
+    """Outputs equal plain decoding's under the calibrated model, and for a tree also under a
+    cost model where drafting pays, so steps draft the chain-sized tree and the whole budget."""
+    target = tiny_llama(qk_scale=0.3)  # loopy greedy output: n-gram drafts get accepted
+    cfg, budget, chain = _adaptive_method(tiny_llama, target, method)
     rt = RuntimeConfig(max_batch_size=8, max_seq_len=96)
     prompts = [[1, 2, 3, 4, 5] * 3, [7, 8, 9], [11, 12, 13, 14] * 2, [20]]
     sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
     plain = [o.token_ids for o in LLM(target.path, runtime=rt).generate(prompts, sp)]
     llm = LLM(target.path, method=cfg, runtime=rt)
     assert [o.token_ids for o in llm.generate(prompts, sp)] == plain
-    assert llm.pipeline.adaptive.curves is not None  # calibrated at build time
+    ag = llm.pipeline.adaptive
+    assert ag.curves is not None  # calibrated at build time
+    if budget == chain:
+        return
+    # Free drafts and verification, learning from scratch: the chain-sized tree runs first
+    # (a tie, and the smaller wins), then the budget, credited the prior's estimate, is tried.
+    ag.policy = GammaPolicyConfig(adaptive=True, explore_tokens=0, prior_accept=0.9, min_gain=0.0)
+    ag.curves = (TargetCost.measure(lambda b, n: 1.0, [1, 8], budget + 1), CostCurve(lambda b: 0.0, [1, 8]))
+    ag.step_times, ag.fused, ag.drafter, ag.by_size = None, None, [0, 0], {}
+    chosen: list[int] = []
+    choose = ag.choose
+    ag.choose = lambda *a: chosen.append(choose(*a)) or chosen[-1]
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == plain
+    assert {chain, budget} <= set(chosen) <= {0, chain, budget}
+
+
+def test_a_tree_accepted_to_its_depth_counts_no_rejection(tiny_llama) -> None:
+    """A drafter that is the target accepts every step's path to the tree's deepest node:
+    nothing was rejected, so its acceptance is 1 (not accepted / nodes), whichever size ran."""
+    target = tiny_llama(qk_scale=0.3)
+    tree = TreeConfig(kind="static", choices=[[0], [1], [0, 0], [0, 0, 0]])  # 4 nodes, 3 deep
+    llm = LLM(target.path, method=DraftModelConfig(path=str(target.path), num_speculative_tokens=4,
+                                                   adaptive_gamma=True, tree=tree),
+              runtime=RuntimeConfig(max_batch_size=2, max_seq_len=96))
+    ag = llm.pipeline.adaptive
+    ag.policy = GammaPolicyConfig(adaptive=True, explore_tokens=0, prior_accept=0.9)
+    ag.curves = (TargetCost.measure(lambda b, n: 1.0, [1, 2], 5), CostCurve(lambda b: 0.01, [1, 2]))
+    ag.step_times = None
+    llm.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert ag.by_size.get(4, [0, 0])[1] > 0  # the whole budget ran (3 accepted of 4 nodes a step) ...
+    assert ag.drafter[0] == ag.drafter[1] > 0  # ... and rejected nothing
 
 
 def _call(llm: LLM, prompts: list[list[int]], ids: list[str], sp: SamplingParams) -> int:
