@@ -123,8 +123,11 @@ class DecoderBatchProcessor:
         the real ones, so a CUDA graph recorded for the bucket serves it. A pad request
         writes and reads only a scratch KV slot no request holds, so no real row changes;
         its rows are packed but left out of :meth:`process_outputs` (run the batch through
-        it, as ``execute`` does), and ``draft_index`` holds the real requests' rows only.
-        The key width is padded too (:func:`_widen_keys`).
+        it, as ``execute`` does, or :func:`drop_pad_rows`), and ``draft_index`` holds the
+        real requests' rows only. The key width is padded too (:func:`_widen_keys`). A
+        verification (every request feeding one token, ``return_n_logits - 1`` at least its
+        placeholders) is spread to ``return_n_logits`` rows a request, pads included, so
+        ragged drafts meet the graph of a full step (:func:`_spread_rows`).
         """
         rt = self.runtime
         if len(replica_batches) != rt.data_parallel_degree:
@@ -168,18 +171,30 @@ class DecoderBatchProcessor:
             rt.kv_caches[r].reserve(c.kv[name], s + ln)  # no-op when the scheduler reserved
         tables = [c.kv[name].blocks for c in ctxs]
         extra = self._pad_count(len(ctxs)) if pad else 0
-        if extra:  # (each pad: token 0 at position 0 of the scratch block)
-            tokens_list += [0] * extra
-            starts, lens, look = starts + [0] * extra, lens + [1] * extra, look + [0] * extra
-            tables += [self._scratch.blocks] * extra  # type: ignore[union-attr]
+        # A verification's rows spread: every request packs 1 + g rows (its token, its
+        # placeholders, then spare rows), so the row count is the bucket's whatever the drafts.
+        g = return_n_logits - 1
+        spread = pad and self._scratch is not None and 0 < max(look) <= g and max(num_new) == 1
+        p_tokens, p_starts, p_lens, p_look = tokens_list, starts, lens, look
+        if spread:  # (its table past its blocks names the scratch block: spare rows' keys, no real row's)
+            p_tokens = [t for c, s in zip(ctxs, starts) for t in [c.tokens[s]] + [0] * g]
+            p_lens, p_look = [1 + g] * len(ctxs), [g] * len(ctxs)
+            tables = [t + self._scratch.blocks * (-(-(s + 1 + g) // bs) - len(t))  # type: ignore[union-attr]
+                      for t, s in zip(tables, starts)]
+        if extra:  # (each pad: token 0 from position 0 of the scratch block, 1 + g of them where spread)
+            per = 1 + g if spread else 1
+            p_tokens = p_tokens + [0] * (per * extra)
+            p_starts, p_lens, p_look = starts + [0] * extra, p_lens + [per] * extra, p_look + [per - 1] * extra
+            tables = tables + [self._scratch.blocks * -(-per // bs)] * extra  # type: ignore[union-attr]
             splits[-1] += extra
-        inputs, draft_index = _pack(tokens_list, starts, lens, tables, bs, return_n_logits, look)
+        inputs, draft_index = _pack(p_tokens, p_starts, p_lens, tables, bs, return_n_logits, p_look)
+        if spread:
+            scratch = self._scratch.blocks[0] * bs  # type: ignore[union-attr]
+            draft_index = _spread_rows(inputs, draft_index, look, scratch, bs)
         if pad and self._scratch is not None:
             _widen_keys(inputs)
-        if extra:
-            look, lens = look[: len(ctxs)], lens[: len(ctxs)]
-            if draft_index is not None:
-                draft_index = draft_index[: len(ctxs)]
+        if draft_index is not None and extra:
+            draft_index = draft_index[: len(ctxs)]
         for c, ln in zip(ctxs, lens):
             c.kv[name].num_tokens += ln
         inputs.data_parallel_splits = splits
@@ -208,6 +223,52 @@ class DecoderBatchProcessor:
             b = len(batch.contexts)
             logits, hidden = logits[: b * n], hidden[: b * n]
         return ModelOutputs(logits=logits, hidden_states=hidden, logit_offsets=torch.arange(b + 1) * n)
+
+
+def drop_pad_rows(out: DecoderOutputs, inputs: DecoderInputs, num_requests: int) -> DecoderOutputs:
+    """A forward's outputs on a padded packing (``pad=True``) without its pad requests'
+    logit rows: the first ``num_requests`` requests' (the real ones come first, each with
+    as many rows). ``inputs.logit_index`` is cut the same way, so what reads the outputs
+    by it after the forward sees the unpadded packing's. Unpadded: ``out`` as it is. A
+    packing's ``all_hidden`` rows keep the pads' (after every real row, read by index)."""
+    packed = inputs.data_parallel_splits[-1] if inputs.data_parallel_splits else num_requests
+    if packed <= num_requests:
+        return out
+    keep = out.logits.shape[0] // packed * num_requests
+
+    def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t[:keep] if t is not None else None
+
+    inputs.logit_index = inputs.logit_index[:keep]
+    return replace(out, logits=out.logits[:keep], hidden_states=out.hidden_states[:keep],
+                   aux_hidden_states=cut(out.aux_hidden_states))
+
+
+def _spread_rows(inputs: DecoderInputs, draft_index: torch.Tensor | None, look: list[int], scratch: int,
+                 block_size: int) -> torch.Tensor | None:
+    """Makes a spread packing (each of its ``B`` requests ``n`` rows: its token, then
+    placeholders; the first ``len(look)`` real, with ``look[i]`` real placeholders) read as
+    the unspread one: the rows past a request's placeholders, and every row of a pad
+    request, write only the scratch block (``scratch``: its first slot), at its request's
+    first position and key index (no key past the blocks its request holds is in reach), and
+    no logit or draft row names them. A real row attends to keys up to its own position
+    only, so it never sees a spare row's. Returns ``draft_index`` cut as
+    the unspread packing's: ``[len(look), max(look)]``, rows past a request's drafts at its
+    last real row."""
+    b, n = inputs.q_index.shape[0], inputs.logit_index.numel() // inputs.q_index.shape[0]
+    local = torch.arange(n)
+    real = torch.tensor(look + [-1] * (b - len(look)))[:, None]  # [B, 1] (a pad: none of its rows)
+    spare = local[None, :] > real  # [B, n]
+    inputs.slot_mapping = torch.where(spare, scratch + local % block_size, inputs.slot_mapping.view(b, n)).reshape(-1)
+    pos, q_pos = inputs.positions.view(b, n), inputs.q_pos.view(b, n)
+    inputs.positions = torch.where(spare, pos[:, :1], pos).reshape(-1)
+    inputs.q_pos = torch.where(spare, q_pos[:, :1], q_pos)  # (so no key past its request's blocks is in reach)
+    li = inputs.logit_index.view(b, n)
+    inputs.logit_index = torch.minimum(li, li[:, :1] + real.clamp(min=0)).reshape(-1)
+    if draft_index is None:
+        return None
+    di = draft_index[: len(look), : max(look)]
+    return torch.where(torch.arange(di.shape[1])[None, :] < real[: len(look)], di, di[:, :1] - 1)
 
 
 def _widen_keys(inputs: DecoderInputs) -> None:

@@ -8,11 +8,13 @@ handful of sizes (1, 2, 4, 8, ... up to ``max_batch_size``), and a recording ser
 batch of its bucket.
 
 The key width (longest context) is padded the same way, to a multiple of 256
-(:func:`context_bucket`): masked keys past each request's context. Plain decoding's
-batches are padded so (``DecoderBatchProcessor.prepare_initial_token_inputs(pad=True)``);
-a speculative pipeline's drafting and verification batches are not yet, nor are prompt
-(prefill) steps, so there each new size records a graph of its own (Inductor's
-cudagraph trees).
+(:func:`context_bucket`): masked keys past each request's context. Batches are padded so
+by ``DecoderBatchProcessor.prepare_initial_token_inputs(pad=True)``: plain decoding's, and
+a speculative pipeline's chain verification, whose rows are spread to B x (γ + 1) however
+ragged the drafts (spare rows write only a scratch block; ``drop_pad_rows`` drops the pad
+requests' outputs). Not padded: drafting batches, tree verification, drafters that read
+every target row (EAGLE), and prompt (prefill) steps; there each new size records a graph
+of its own (Inductor's cudagraph trees).
 """
 
 from __future__ import annotations

@@ -238,10 +238,12 @@ class DecoderPipelineModel:
         return_n_logits: int = 1,
         num_tokens: Sequence[int] | None = None,
         lookahead: int | Sequence[int] = 0,
+        pad: bool = False,
     ) -> PackedBatch:
-        """Packs one replica's ``batch`` (see ``prepare_initial_token_inputs``) with its KV cache attached."""
+        """Packs one replica's ``batch`` (see ``prepare_initial_token_inputs``; ``pad``: to a CUDA
+        graph's sizes where the runtime records graphs) with its KV cache attached."""
         packed = self.processor.prepare_initial_token_inputs(
-            [batch], return_n_logits, num_tokens=num_tokens, lookahead=lookahead
+            [batch], return_n_logits, num_tokens=num_tokens, lookahead=lookahead, pad=pad
         )
         packed.inputs.kv_cache = self.caches[0].tensors
         return packed

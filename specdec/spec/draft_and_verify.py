@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from specdec.core.backend import backend_of
+from specdec.core.batch_processor import drop_pad_rows
 from specdec.core.inputs import DecoderInputs
 from specdec.core.pipeline_model import compile_function, compile_method
 from specdec.core.state_store import RequestStateStore
@@ -188,9 +189,9 @@ class DraftAndVerify(nn.Module):
                 out, acc, fault = self.target_verify_chain(target_inputs, *chain)
             self.times.lap("target_forward", t)
             return StepOutput(tokens=out, num_accepted=acc, fault=fault)
-        target_out = self.target(target_inputs)
-        t = self.times.lap("target_forward", t)
         b = num_draft.shape[0]
+        target_out = drop_pad_rows(self.target(target_inputs), target_inputs, b)  # (padded to a graph's size)
+        t = self.times.lap("target_forward", t)
         logits = target_out.logits.view(b, -1, target_out.logits.shape[-1])  # [B, γ+1, V]
         path = depth = finite = None
         if branching:

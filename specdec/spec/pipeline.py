@@ -360,8 +360,11 @@ class SpecDecodePipelineModel:
         # Each request verifies only its own drafts (no placeholder rows up to the step's γ).
         if one is not None:
             packed = one.pack(fed[0], 1, lookahead=look[0], return_n_logits=gamma + 1, slot=fed[0].slot)
-        else:
-            packed = self.target.prepare(fed, return_n_logits=gamma + 1, lookahead=look, num_tokens=num_tokens)
+        else:  # pad: to a CUDA graph's batch size and key width where the runtime records them (not
+            # trees, nor a drafter reading every row); DraftAndVerify drops the pad requests' rows
+            pad = not (self.spec.node_budget or self.spec.needs_all_rows)
+            packed = self.target.prepare(fed, return_n_logits=gamma + 1, lookahead=look, num_tokens=num_tokens,
+                                         pad=pad)
         inputs = packed.inputs
         inputs.capture_layers = self.spec.target_layers
         draft_host = None
