@@ -34,7 +34,9 @@ huge pages (``pack_layers``): a decode step streams them all from DRAM, and on
 The packed copy replaces the dense weight: ``pack_layers`` frees each packed
 layer's dense weight (and its fused parts'), leaving a one-element placeholder of
 the same shape, dtype and device (:meth:`Linear.free_dense`), unless another
-module reads that storage too (a tied embedding). What still needs the dense
+module reads that storage too. A tied embedding (:class:`Embedding`) does not keep it:
+it reads its rows from the packed head (:func:`packed_rows`), so a tied model holds its
+vocabulary table once. What still needs the dense
 values gets them back exactly from the packed copy (:func:`unpack`): the
 ``state_dict``, a forward with gradients for its input, fusing again. Training
 the weight itself fails, naming the layer: pack after loading, as
@@ -153,6 +155,23 @@ def unpack_is_exact(kernel: str, dtype: torch.dtype) -> bool:
                           f"{dtype}: packed layers keep their dense weights", stacklevel=2)
             return False
     return True
+
+
+def packed_columns(packed: torch.Tensor) -> torch.Tensor:
+    """Where each of the P output columns of our kernel's panels ``packed`` lies in a panel."""
+    p = packed.shape[-1]
+    return (_bf16_columns(p) if packed.dtype == torch.bfloat16 else torch.arange(p)).to(packed.device)
+
+
+def packed_rows(packed: torch.Tensor, ids: torch.Tensor, rows: int, columns: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (any shape) of the ``[rows, in]`` float32 weight that ``packed`` (our kernel's
+    layout, see :func:`unpack`) was packed from, bit for bit: row i is panel i // P's column
+    i % P (at ``columns[i % P]``: :func:`packed_columns`), a bfloat16 one widened. What
+    ``specdec_cpu::decoder_forward`` reads for a tied embedding. An id outside ``[0, rows)``
+    is sent past the panels, so indexing raises."""
+    np_, _, p = packed.shape
+    ids = torch.where((ids >= 0) & (ids < rows), ids, np_ * p)  # (no host sync; the zero padding is never read)
+    return packed[ids // p, :, columns[ids % p]].float()
 
 
 def _placeholder(like: torch.Tensor) -> torch.Tensor:
@@ -280,6 +299,65 @@ class Linear(nn.Linear):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` that can read its rows from the head it is tied to, once that head is
+    packed for our kernel and its dense weight freed (``pack_layers`` ties them): a tied model
+    then holds its vocabulary table once, in the head's packed block. ``weight`` is the head's
+    placeholder then (the same parameter: the tie stays visible); the ``state_dict`` unpacks."""
+
+    tied_head: Linear | None = None  # set by pack_layers (read_from): the packed head holding this table
+    _columns: torch.Tensor  # packed_columns of its packed weight (found once: not in a compiled forward)
+
+    def read_from(self, head: Linear) -> None:
+        """Reads the rows from ``head``, whose weight is this one's, once it is packed for our
+        kernel with its dense copy freed; this embedding's dense table is then dropped."""
+        self.__dict__["tied_head"] = head  # (a plain attribute, not a submodule: no second state_dict entry)
+        if self.packed_head() is not None:
+            assert head.packed is not None
+            self.__dict__["_columns"] = packed_columns(head.packed)
+            self.weight = head.weight  # the placeholder
+
+    def packed_head(self) -> Linear | None:
+        """The packed head whose block holds this table (its dense copy freed), else None."""
+        head = self.tied_head
+        return head if head is not None and head.dense_freed and head.kernel == "specdec" else None
+
+    def _freed_head(self) -> Linear | None:
+        head = self.tied_head
+        return head if head is not None and head.dense_freed else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        head = self._freed_head()
+        if head is None:
+            return super().forward(ids)
+        if head.kernel == "specdec":
+            assert head.packed is not None
+            return packed_rows(head.packed, ids, self.num_embeddings, self._columns)
+        return F.embedding(ids, head.dense_weight(), self.padding_idx)  # (packed again for oneDNN: unpacked whole)
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        head = self._freed_head()
+        if head is not None and prefix + "weight" in destination:  # the values, not the placeholder
+            destination[prefix + "weight"] = head.dense_weight()
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: object, **kw: object) -> None:
+        if self._freed_head() is not None and prefix + "weight" in state_dict:
+            raise RuntimeError(f"Embedding {prefix.rstrip('.') or '(root)'}: loading weights into an embedding read "
+                               "from its packed, tied head; load them before packing (pack_layers)")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kw)  # type: ignore[arg-type]
+
+
+def embedding_operand(embed: nn.Module) -> tuple[torch.Tensor, int] | None:
+    """What our native ops read as ``embed``'s table, and its rows: its float32 weight, or the
+    packed head a tied :class:`Embedding` reads (``specdec_cpu`` ``embedding_rows``); None for
+    any other embedding (tensor parallel's, another dtype)."""
+    if type(embed) not in (nn.Embedding, Embedding) or embed.weight.dtype != torch.float32:
+        return None
+    head = embed.packed_head() if isinstance(embed, Embedding) else None
+    return (embed.weight if head is None else head.packed), embed.num_embeddings
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim: ``weight * x / sqrt(mean(x²) + eps)``, in float32 for
     lower precisions. After :meth:`pack` ("specdec"), an eager float32 CPU call without
@@ -335,11 +413,14 @@ def pack_layers(module: nn.Module, kernel: str = "specdec") -> int:
     # A layer packed for ``kernel`` already (a head borrowed from a packed target) stays as it is:
     # packing it again would hold it packed twice.
     done = [m for m in linears if m.packed is not None and m.kernel == kernel]
-    shared = _shared_storages(module, linears)
-    release_freed_memory()  # (what fusing the projections freed)
     todo = [m for m in linears if m not in done]
     ours = [m for m in todo if kernel == "specdec" and row_kernel_serves(m.weight.device, m.weight.dtype)]
+    ties = _tied_embeddings(module, ours)
+    shared = _shared_storages(module, linears, tuple(e for e, _ in ties))
+    release_freed_memory()  # (what fusing the projections freed)
     _pack_into_arena(ours, shared)
+    for e, m in ties:  # the embedding reads the packed head now: its dense table goes
+        e.read_from(m)
     packed = len(done) + len(ours)
     for m in todo:
         if not any(m is o for o in ours) and m.pack(kernel):  # oneDNN's layout
@@ -407,11 +488,20 @@ def _pack_into_arena(linears: list[Linear], shared: set[int]) -> None:
             release_freed_memory()
 
 
-def _shared_storages(module: nn.Module, linears: list[Linear]) -> set[int]:
+def _tied_embeddings(module: nn.Module, linears: list[Linear]) -> list[tuple[Embedding, Linear]]:
+    """The :class:`Embedding` s of ``module`` whose weight is one of ``linears``' (a tied head,
+    packed for our kernel): they can read their rows from its packed copy instead."""
+    heads = {id(m.weight): m for m in linears}
+    return [(e, heads[id(e.weight)]) for e in module.modules()
+            if isinstance(e, Embedding) and id(e.weight) in heads and e.max_norm is None]
+
+
+def _shared_storages(module: nn.Module, linears: list[Linear], readers: tuple[nn.Module, ...] = ()) -> set[int]:
     """The storages (data pointers) ``module``'s tensors other than the weights of ``linears``
-    and of their fused parts hold: a layer whose weight lies in one (a head tied to the
-    embedding) keeps its dense weight when packed."""
-    slots = {id(m) for m in linears} | {id(p) for m in linears for p in m.parts}
+    and of their fused parts (and of ``readers``: embeddings that will read a packed head)
+    hold: a layer whose weight lies in one (a head tied to an embedding that reads it densely)
+    keeps its dense weight when packed."""
+    slots = {id(m) for m in linears} | {id(p) for m in linears for p in m.parts} | {id(r) for r in readers}
     shared = set()
     for sub in module.modules():
         for name, t in (*sub._parameters.items(), *sub._buffers.items()):

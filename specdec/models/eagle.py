@@ -44,7 +44,7 @@ from torch import nn
 
 from specdec.core.backend import backend_of, forget_backend, forward_checking_rows
 from specdec.core.inputs import DecoderInputs
-from specdec.core.linear import Linear
+from specdec.core.linear import Linear, embedding_operand
 from specdec.core.registry import DecoderModule, Role, register
 from specdec.models.config import MAX_SIZES, LlamaConfig, hf_config_dict, short_repr
 from specdec.models.llama import (MLP, Attend, Attention, DecoderLayer, DenseCausalAttend, PagedAttend, RMSNorm,
@@ -219,7 +219,7 @@ class EagleHead(RopeTables, DecoderModule):
 
     def native_operands(self) -> tuple[Any, ...] | None:
         """The head's operands of ``specdec_cpu::eagle_forward`` after the rope tables (the
-        target's embedding; fc (EAGLE-1); EAGLE-3's input and hidden norms; the layer's weights,
+        target's embedding and its rows; fc (EAGLE-1); EAGLE-3's input and hidden norms; the layer's weights,
         biases and dims; eps; EAGLE-3's norm; the lm head, its bias and vocabulary; the
         draft-to-target ids where the vocabularies differ; the target's vocabulary; the
         attention scale), or None where it does not serve: a layer, norm or head not packed
@@ -227,9 +227,9 @@ class EagleHead(RopeTables, DecoderModule):
         target = self.__dict__.get("_target")
         if target is None or self.attention_kernel != "specdec":
             return None
-        embed, lm_head = target
+        embed = embedding_operand(target[0])  # (a tied target's: its packed head)
         parts = self._native_parts()
-        if parts is None or type(embed) is not nn.Embedding or embed.weight.dtype != torch.float32:
+        if parts is None or embed is None:
             return None
         layer, fc, in_norm, hidden_norm, final_norm, head = parts
         a, m = layer.self_attn, layer.mlp
@@ -241,7 +241,7 @@ class EagleHead(RopeTables, DecoderModule):
             return None
         v, full = head.out_features, self.config.vocab_size
         ids = self.draft_to_target if v != full else None
-        return (embed.weight, fc.packed if fc is not None else None, fc.bias if fc is not None else None,
+        return (*embed, fc.packed if fc is not None else None, fc.bias if fc is not None else None,
                 in_norm.weight if in_norm is not None else None,
                 hidden_norm.weight if hidden_norm is not None else None,
                 [a.qkv.packed, a.o_proj.packed, layer.post_attention_layernorm.weight, m.gate_up.packed,

@@ -26,7 +26,7 @@ from torch import nn
 from specdec.core.backend import backend_of, forward_checking_rows
 from specdec.core.flex import FlexAttend
 from specdec.core.inputs import DecoderInputs, DecoderOutputs, KVCacheTensors, MaskKind
-from specdec.core.linear import Linear, RMSNorm, release_freed_memory
+from specdec.core.linear import Embedding, Linear, RMSNorm, embedding_operand, release_freed_memory
 from specdec.core.registry import DecoderModule, Role, register
 from specdec.models.config import LlamaConfig
 
@@ -336,7 +336,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -454,7 +454,7 @@ class LlamaDecoder(RopeTables, DecoderModule):
         return self.model.norm(x), [h for h in seen if h is not None]
 
     def native_operands(self) -> tuple[Any, ...] | None:
-        """The module's operands of ``specdec_cpu::decoder_forward`` (embedding, weights,
+        """The module's operands of ``specdec_cpu::decoder_forward`` (embedding and its rows, weights,
         biases, dims, eps, final norm, head, its bias, vocabulary, attention scale), for
         :mod:`specdec.core.backend` to gather once after packing; None where it does not
         serve this module: a layer or the head not packed for our kernels (or not fused),
@@ -462,9 +462,8 @@ class LlamaDecoder(RopeTables, DecoderModule):
         weights: list[torch.Tensor] = []
         biases: list[torch.Tensor | None] = []
         eps = {self.model.norm.eps}
-        embed = self.model.embed_tokens
-        ok = (self.attention_kernel == "specdec" and self.model.norm.kernel == "specdec"
-              and type(embed) is nn.Embedding and embed.weight.dtype == torch.float32
+        embed = embedding_operand(self.model.embed_tokens)  # (a tied model's: its packed head)
+        ok = (self.attention_kernel == "specdec" and self.model.norm.kernel == "specdec" and embed is not None
               and isinstance(self.lm_head, Linear) and self.lm_head.kernel == "specdec")
         for layer in self.model.layers:
             a, m = layer.self_attn, layer.mlp
@@ -483,7 +482,7 @@ class LlamaDecoder(RopeTables, DecoderModule):
         ok = ok and a0 is not None and len(eps) == 1
         if ok:
             dims = [a0.n_heads, a0.n_kv, a0.head_dim, self.config.intermediate_size, len(self.model.layers)]
-            return (embed.weight, weights, biases, dims, eps.pop(), self.model.norm.weight,
+            return (*embed, weights, biases, dims, eps.pop(), self.model.norm.weight,
                     self.lm_head.packed, self.lm_head.bias, self.lm_head.out_features, a0.head_dim ** -0.5)
         return None
 

@@ -289,3 +289,24 @@ def test_without_onednn_bf16_a_bf16_model_keeps_f_linear(monkeypatch):
                       num_attention_heads=2, num_key_value_heads=2, head_dim=16)
     assert pack_layers(LlamaDecoder(cfg).to(torch.bfloat16)) == 0
     assert pack_layers(LlamaDecoder(cfg)) > 0
+
+
+@needs_kernels
+def test_a_tied_embedding_reads_its_rows_from_the_packed_head_compiled_or_not():
+    # After packing, the embedding tied to a head holds no table: its rows come from the head's
+    # packed panels (bfloat16 ones paired up, padded past the 100 rows), the values it held;
+    # traced too (one graph: nothing in its forward that dynamo cannot follow).
+    embed, head = linear.Embedding(100, 32), Linear(32, 100, bias=False)
+    embed.weight.data = embed.weight.data.bfloat16().float()  # (a bf16 checkpoint's: bfloat16 panels)
+    head.weight = embed.weight
+    model = torch.nn.ModuleList([embed, head])
+    want = embed.weight.detach().clone()
+    assert pack_layers(model) == 1 and pack_layers(model) == 1  # (again: nothing more, the tie kept)
+    assert head.packed.dtype == torch.bfloat16 and embed.weight is head.weight
+    assert embed.weight.untyped_storage().nbytes() <= 4
+    ids = torch.tensor([[0, 5, 99], [63, 64, 31]])
+    fn = torch.compile(embed, backend="eager", fullgraph=True)
+    with torch.inference_mode():
+        assert torch.equal(embed(ids), want[ids]) and torch.equal(fn(ids), want[ids])
+        with pytest.raises(IndexError):
+            embed(torch.tensor([100]))

@@ -3,6 +3,7 @@ the storage the module keeps, and packed straight into the one packed block (iss
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from pathlib import Path
@@ -16,7 +17,11 @@ from safetensors.torch import load_file
 from specdec.core import checkpoint, gguf, linear
 from specdec.core.checkpoint import load_decoder
 from specdec.core.kernels import cpu_kernels_available
+from specdec.core.backend import backend_of
+from specdec.core.inputs import KVCacheTensors
 from specdec.core.linear import Linear, lossless_bf16, pack_layers
+
+from packing import pack_rows  # tests/packing.py
 
 TARGET = Path(__file__).resolve().parents[2] / "specdec" / "zoo" / "code-target"
 
@@ -97,7 +102,7 @@ def test_gguf_tensors_dequantize_in_chunks_as_they_do_whole(tmp_path, monkeypatc
 
 @pytest.mark.skipif(not cpu_kernels_available(), reason="specdec's CPU kernels did not build here")
 @pytest.mark.parametrize("bf16_values", [False, True])
-def test_packing_in_chunks_fills_one_block_and_frees_every_dense_weight_but_the_tied_one(monkeypatch, bf16_values):
+def test_packing_in_chunks_fills_one_block_and_frees_every_dense_weight_the_tied_one_too(monkeypatch, bf16_values):
     module = load_decoder(TARGET, dtype=torch.float32).module
     if not bf16_values:  # float32 values that are not bfloat16: packed as float32
         with torch.no_grad():
@@ -113,9 +118,44 @@ def test_packing_in_chunks_fills_one_block_and_frees_every_dense_weight_but_the_
     for m, want in zip(called, expected):
         assert m.packed.dtype == want.dtype == (torch.bfloat16 if bf16_values else torch.float32)
         assert torch.equal(m.packed.view(torch.uint8), want.view(torch.uint8))
-    tied = module.model.embed_tokens.weight
-    for m in called:
-        if m is module.lm_head:  # the head reads the embedding's storage: kept
-            assert m.weight.untyped_storage().data_ptr() == tied.untyped_storage().data_ptr()
-        else:  # no dense copy beside the packed one
-            assert m.dense_freed and m.weight.untyped_storage().nbytes() <= m.weight.element_size()
+    for m in called:  # no dense copy beside the packed one (the tied embedding reads the packed head)
+        assert m.dense_freed and m.weight.untyped_storage().nbytes() <= m.weight.element_size()
+    assert module.model.embed_tokens.weight is module.lm_head.weight
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="specdec's CPU kernels did not build here")
+def test_a_packed_tied_model_holds_its_vocabulary_table_once_with_the_same_outputs():
+    """The built-in target ties its embedding to its head: packed, it keeps no dense table
+    beside the packed head, and gives what the same weights give with the embedding untied
+    (a dense table beside the same packed head), its state_dict the unpacked model's."""
+    tied = load_decoder(TARGET, dtype=torch.float32).module
+    untied = load_decoder(TARGET, dtype=torch.float32).module
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())  # untie: same values
+    before = {k: v.clone() for k, v in tied.state_dict().items()}
+    for m in (tied, untied):
+        m.prepare_for_inference()
+        pack_layers(m)
+        m.ensure_rope(64)
+    table = tied.config.vocab_size * tied.config.hidden_size * 4  # bytes of the dense table
+    arena = tied.lm_head.packed.untyped_storage().data_ptr()
+    big = {t.untyped_storage().data_ptr() for t in (*tied.parameters(), *tied.buffers())
+           if t.untyped_storage().nbytes() >= table}
+    assert big == {arena}  # the one block of packed weights only
+    assert untied.model.embed_tokens.weight.untyped_storage().nbytes() >= table  # (what the test would see)
+    ids = torch.randint(0, tied.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.equal(tied.forward_dense(ids), untied.forward_dense(ids))  # the Python embedding
+        inputs = pack_rows(ids[0].tolist(), [0], [12], [[0]], 16)
+        outs = []
+        for m in (tied, untied):  # the native forward (specdec_cpu::decoder_forward)
+            assert backend_of(m).kind == "native"
+            cfg = m.config
+            shape = (cfg.num_hidden_layers, 16, cfg.num_key_value_heads, cfg.head_dim)
+            step = dataclasses.replace(inputs, kv_cache=KVCacheTensors(k=torch.zeros(shape), v=torch.zeros(shape)))
+            step.logit_index = torch.arange(12)
+            outs.append(m(step).logits)
+        assert torch.equal(*outs)
+    after = tied.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    with pytest.raises(RuntimeError, match="model.embed_tokens: loading weights into an embedding read from its"):
+        tied.load_state_dict(before)

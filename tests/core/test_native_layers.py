@@ -30,14 +30,15 @@ pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="specdec's C
 BLOCK, TABLES = 16, [[3, 7, 1, 9, 12, 15], [5, 0, 2, 8, 13, 16], [4, 6, 10, 11, 14, 17]]  # 96 positions each
 
 
-def _decoder(**kw: object) -> LlamaDecoder:
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-                      **kw)  # type: ignore[arg-type]
+def _decoder(bf16_values: bool = True, **kw: object) -> LlamaDecoder:
+    cfg = LlamaConfig(**{"vocab_size": 64, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+                         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                         "max_position_embeddings": 128, **kw})  # type: ignore[arg-type]
     torch.manual_seed(0)
     m = LlamaDecoder(cfg).eval().prepare_for_inference()
-    for p in m.parameters():  # weights a bf16 checkpoint could hold: the kernel's bf16 panels serve them
-        p.data = p.data.to(torch.bfloat16).float() + 0.0
+    if bf16_values:  # weights a bf16 checkpoint could hold: the kernel's bf16 panels serve them
+        for p in m.parameters():
+            p.data = p.data.to(torch.bfloat16).float() + 0.0
     m.ensure_rope(128)
     pack_layers(m)
     return m
@@ -203,3 +204,21 @@ def test_a_head_size_our_attention_kernel_does_not_read_keeps_sdpa_and_no_native
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     assert [o.token_ids for o in spec.generate(prompts, sp)] == \
         [o.token_ids for o in LLM(target, max_seq_len=128).generate(prompts, sp)]
+
+
+@pytest.mark.parametrize("bf16_values", [True, False])
+def test_a_tied_model_reads_its_embedding_from_the_packed_head_with_the_same_bits(bf16_values):
+    # (61 rows: the last panel is part padding, whichever panel width this CPU packs)
+    model = _decoder(bf16_values, vocab_size=61, tie_word_embeddings=True)
+    assert model.lm_head.dense_freed and model.model.embed_tokens.weight is model.lm_head.weight
+    with torch.inference_mode():  # every row, as unpacking the head gives it back
+        assert torch.equal(model.model.embed_tokens(torch.arange(61)), model.lm_head.dense_weight())
+    _both(model, _steps())
+    inputs = pack_rows([5, 61], [0], [2], TABLES[:1], BLOCK)  # 61: in the head's padding, not the vocabulary
+    shape = (3, 18 * BLOCK, 2, 16)
+    inputs.kv_cache = KVCacheTensors(k=torch.zeros(shape), v=torch.zeros(shape))
+    with torch.inference_mode(), pytest.raises(IndexError):  # the Python loop (left loaded by _both)
+        model(inputs)
+    load_backend(model, native=True)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="token id 61 outside"):
+        model(inputs)

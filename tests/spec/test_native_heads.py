@@ -34,12 +34,15 @@ BLOCK, TABLES = 16, [[3, 7, 1, 9, 12, 15], [5, 0, 2, 8, 13, 16], [4, 6, 10, 11, 
 PROMPTS = [[5, 9, 2, 11, 7, 3, 8, 1, 4], [8, 1, 4], [6, 2, 13, 9, 5]]
 
 
-def _target() -> LlamaDecoder:
+def _target(tied: bool = False) -> LlamaDecoder:
+    """(``tied``: its embedding is its head's weight, which packing keeps only packed)"""
     cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                      tie_word_embeddings=tied)
     torch.manual_seed(0)
     m = LlamaDecoder(cfg).eval().prepare_for_inference()
     pack_layers(m)
+    assert not tied or m.model.embed_tokens.packed_head() is m.lm_head
     return m
 
 
@@ -99,10 +102,12 @@ def _cache(seed: int = 1) -> tuple[KVCacheTensors, KVCacheTensors]:
     return a, KVCacheTensors(k=a.k.clone(), v=a.v.clone())
 
 
-@pytest.mark.parametrize(("kind", "draft_vocab"), [("eagle", None), ("eagle3", None), ("eagle3", 48)],
-                         ids=["eagle1", "eagle3", "eagle3-small-vocab"])
-def test_the_native_head_forward_gives_the_eager_forward_s_bits(monkeypatch, kind, draft_vocab) -> None:
-    head = _head(kind, _target(), draft_vocab)
+@pytest.mark.parametrize(("kind", "draft_vocab", "tied"),
+                         [("eagle", None, False), ("eagle3", None, False), ("eagle3", 48, False),
+                          ("eagle", None, True), ("eagle3", 48, True)],
+                         ids=["eagle1", "eagle3", "eagle3-small-vocab", "eagle1-tied-target", "eagle3-tied-target"])
+def test_the_native_head_forward_gives_the_eager_forward_s_bits(monkeypatch, kind, draft_vocab, tied) -> None:
+    head = _head(kind, _target(tied), draft_vocab)
     caches = _cache()
     calls: list[int] = []
     real = NativeEagleBackend.eagle_step
@@ -126,10 +131,12 @@ def test_a_token_outside_the_vocabulary_is_an_error_that_names_it() -> None:
         head(inputs, torch.zeros(2, 64))
 
 
-@pytest.mark.parametrize(("kind", "draft_vocab"), [("eagle", None), ("eagle3", 48)], ids=["eagle1", "eagle3"])
-def test_the_native_chain_gives_the_python_chain_s_drafts_and_cache_writes(kind, draft_vocab) -> None:
+@pytest.mark.parametrize(("kind", "draft_vocab", "tied"), [("eagle", None, False), ("eagle3", 48, False),
+                                                           ("eagle3", 48, True)],
+                         ids=["eagle1", "eagle3", "eagle3-tied-target"])
+def test_the_native_chain_gives_the_python_chain_s_drafts_and_cache_writes(kind, draft_vocab, tied) -> None:
     # EagleDrafter._chain_steps, greedy, one request: _one_token_step inputs, a forward, max(-1).
-    head = _head(kind, _target(), draft_vocab)
+    head = _head(kind, _target(tied), draft_vocab)
     caches = _cache(2)
     prompt, steps = PROMPTS[0], 4
     slot = [TABLES[0][p // BLOCK] * BLOCK + p % BLOCK for p in range(len(prompt) + steps + 3)]

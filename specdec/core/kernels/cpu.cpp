@@ -438,7 +438,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 }
 
 
-// decoder_forward: a Llama decoder's forward in one call: the token embedding, the rope rows
+// decoder_forward: a Llama decoder's forward in one call: the token embedding (a table's rows, or
+// those of the packed head a tied model keeps it in: embedding_rows), the rope rows
 // of each position, every layer, the final norm, the rows whose logits are wanted and the
 // head. It computes what LlamaDecoder.forward computes eagerly on these kernels
 // (row_linear, rms_norm, paged_attention; ATen's own silu), in the same order and with the
@@ -512,6 +513,44 @@ at::Tensor take_rows(const at::Tensor& table, const at::Tensor& index, const cha
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "specdec::", op, ": ", what, " ", ip[i], " outside [0, ", rows, ")");
     std::memcpy(out.mutable_data_ptr<float>() + i * w, table.const_data_ptr<float>() + ip[i] * w, sizeof(float) * w);
+  }
+  return out;
+}
+
+// The embedding rows of token ids ``index`` (each checked to lie in [0, rows)) from ``table``: a
+// float32 table [rows, d], or the packed head the embedding is tied to (pack's layout [N/P, d, P],
+// float32 or bfloat16, N = rows: row i is panel i / P's column i % P, a bfloat16 one widened to the
+// float32 it stands for), so a tied model holds its embedding once. The same bits either way.
+at::Tensor embedding_rows(const at::Tensor& table, int64_t rows, const at::Tensor& index, const char* op) {
+  if (table.dim() == 2) {
+    TORCH_CHECK(table.size(0) == rows, "specdec::", op, ": embedding ", table.sizes(), " has not ", rows, " rows");
+    return take_rows(table, index, "token id", op);
+  }
+  const bool bf16 = table.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(table.dim() == 3 && table.size(2) == P && table.is_contiguous() &&
+                  (bf16 || table.scalar_type() == at::kFloat) && index.scalar_type() == at::kLong &&
+                  index.dim() == 1 && rows > (table.size(0) - 1) * P && rows <= table.size(0) * P,
+              "specdec::", op, ": want a float32 embedding [", rows, ", d] or a packed head [", (rows + P - 1) / P,
+              ", d, ", P, "] of float32 or bfloat16, and int64 token ids; got ", table.sizes(), " ",
+              table.scalar_type(), " and ", index.sizes());
+  const at::Tensor ic = index.contiguous();
+  const int64_t n = ic.numel(), K = table.size(1);
+  at::Tensor out = at::empty({n, K}, table.options().dtype(at::kFloat));
+  const int64_t* ip = ic.const_data_ptr<int64_t>();
+  float* op_ = out.mutable_data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t id = ip[i];
+    TORCH_CHECK(id >= 0 && id < rows, "specdec::", op, ": token id ", id, " outside [0, ", rows, ")");
+    const int64_t c = id % P, panel = id / P;
+    // (a bfloat16 panel pairs column j with column L + j in each block of 2L: see weights())
+    const int64_t col = bf16 ? c / (2 * L) * (2 * L) + 2 * (c % L) + c % (2 * L) / L : c;
+    if (bf16) {
+      const at::BFloat16* src = table.const_data_ptr<at::BFloat16>() + panel * K * P + col;
+      for (int64_t k = 0; k < K; ++k) op_[i * K + k] = static_cast<float>(src[k * P]);
+    } else {
+      const float* src = table.const_data_ptr<float>() + panel * K * P + col;
+      for (int64_t k = 0; k < K; ++k) op_[i * K + k] = src[k * P];
+    }
   }
   return out;
 }
@@ -650,10 +689,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> decoder_
     const c10::List<std::optional<at::Tensor>>& masks, at::IntArrayRef flags, at::TensorList q_index,
     at::TensorList out_index, at::IntArrayRef group_rows, at::IntArrayRef capture,
     const std::optional<at::Tensor>& rows, const at::Tensor& cos_table, const at::Tensor& sin_table,
-    const at::Tensor& embed, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
-    at::IntArrayRef dims, double eps, const at::Tensor& final_norm, const at::Tensor& head,
-    const std::optional<at::Tensor>& head_bias, int64_t vocab, double scale) {
-  const at::Tensor x_in = take_rows(embed, tokens, "token id");
+    const at::Tensor& embed, int64_t embed_rows, at::TensorList weights,
+    const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef dims, double eps,
+    const at::Tensor& final_norm, const at::Tensor& head, const std::optional<at::Tensor>& head_bias, int64_t vocab,
+    double scale) {
+  const at::Tensor x_in = embedding_rows(embed, embed_rows, tokens, "decoder_forward");
   const at::Tensor cos = take_rows(cos_table, positions, "position"), sin = take_rows(sin_table, positions, "position");
   TORCH_CHECK(dims.size() == 5, "specdec::decoder_forward: dims = [H, Hkv, D, intermediate, layers]");
   const int64_t H = dims[0], Hkv = dims[1], D = dims[2], F = dims[3], L = dims[4];
@@ -713,12 +753,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle_forward(
     at::Tensor v_cache, const at::Tensor& logit_index, at::TensorList slot_mapping, at::TensorList slots,
     const c10::List<std::optional<at::Tensor>>& masks, at::IntArrayRef flags, at::TensorList q_index,
     at::TensorList out_index, at::IntArrayRef group_rows, const at::Tensor& cos_table, const at::Tensor& sin_table,
-    const at::Tensor& embed, const std::optional<at::Tensor>& fc, const std::optional<at::Tensor>& fc_bias,
-    const std::optional<at::Tensor>& input_norm, const std::optional<at::Tensor>& hidden_norm,
+    const at::Tensor& embed, int64_t embed_rows, const std::optional<at::Tensor>& fc,
+    const std::optional<at::Tensor>& fc_bias, const std::optional<at::Tensor>& input_norm,
+    const std::optional<at::Tensor>& hidden_norm,
     at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef dims, double eps,
     const std::optional<at::Tensor>& final_norm, const at::Tensor& head, const std::optional<at::Tensor>& head_bias,
     int64_t vocab, const std::optional<at::Tensor>& vocab_ids, int64_t full_vocab, double scale) {
-  const at::Tensor e = take_rows(embed, tokens, "token id", "eagle_forward");
+  const at::Tensor e = embedding_rows(embed, embed_rows, tokens, "eagle_forward");
   const at::Tensor cos = take_rows(cos_table, positions, "position", "eagle_forward");
   const at::Tensor sin = take_rows(sin_table, positions, "position", "eagle_forward");
   TORCH_CHECK(dims.size() == 4 && weights.size() == 5 && biases.size() == 4,
@@ -782,9 +823,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle_forward(
 // its output is the next state and draft j + 1 the argmax of its logits -> drafts [1, steps + 1].
 at::Tensor eagle_steps(const at::Tensor& logits, const at::Tensor& h0, const at::Tensor& pos0, int64_t steps,
                        const at::Tensor& gather, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& cos_table,
-                       const at::Tensor& sin_table, const at::Tensor& embed, const std::optional<at::Tensor>& fc,
-                       const std::optional<at::Tensor>& fc_bias, const std::optional<at::Tensor>& input_norm,
-                       const std::optional<at::Tensor>& hidden_norm, at::TensorList weights,
+                       const at::Tensor& sin_table, const at::Tensor& embed, int64_t embed_rows,
+                       const std::optional<at::Tensor>& fc, const std::optional<at::Tensor>& fc_bias,
+                       const std::optional<at::Tensor>& input_norm, const std::optional<at::Tensor>& hidden_norm,
+                       at::TensorList weights,
                        const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef dims, double eps,
                        const std::optional<at::Tensor>& final_norm, const at::Tensor& head,
                        const std::optional<at::Tensor>& head_bias, int64_t vocab,
@@ -811,8 +853,9 @@ at::Tensor eagle_steps(const at::Tensor& logits, const at::Tensor& h0, const at:
     const std::vector<at::Tensor> map = {g.narrow(1, pos, 1).reshape({1})}, slots = {g.narrow(1, 0, n).contiguous()};
     const std::vector<at::Tensor> qi = {q_index}, oi = {first};
     auto out = eagle_forward(t, h, at::full({1}, pos, lopt), k_cache, v_cache, first, map, slots, mask, flags, qi, oi,
-                             rows, cos_table, sin_table, embed, fc, fc_bias, input_norm, hidden_norm, weights, biases,
-                             dims, eps, final_norm, head, head_bias, vocab, vocab_ids, full_vocab, scale);
+                             rows, cos_table, sin_table, embed, embed_rows, fc, fc_bias, input_norm, hidden_norm,
+                             weights, biases, dims, eps, final_norm, head, head_bias, vocab, vocab_ids, full_vocab,
+                             scale);
     h = std::get<1>(out), lg = std::get<2>(out);
   }
   return drafts;
@@ -854,7 +897,8 @@ at::Tensor medusa_forward(const at::Tensor& x, at::TensorList blocks,
 // argmax is ATen's max(-1), as DraftModelDrafter._chain_steps computes them in Python.
 at::Tensor decoder_steps(const at::Tensor& logits, const at::Tensor& step_positions, const at::Tensor& step_slots,
                          const at::Tensor& gather, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& cos_table,
-                         const at::Tensor& sin_table, const at::Tensor& embed, at::TensorList weights,
+                         const at::Tensor& sin_table, const at::Tensor& embed, int64_t embed_rows,
+                         at::TensorList weights,
                          const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef dims, double eps,
                          const at::Tensor& final_norm, const at::Tensor& head,
                          const std::optional<at::Tensor>& head_bias, int64_t vocab, double scale) {
@@ -878,8 +922,8 @@ at::Tensor decoder_steps(const at::Tensor& logits, const at::Tensor& step_positi
     const std::vector<at::Tensor> map = {step_slots[j]}, slots = {gather.narrow(1, 0, keys + j + 1).contiguous()};
     const std::vector<at::Tensor> qi = {q_index}, oi = {first};
     lg = std::get<2>(decoder_forward(t, step_positions[j], k_cache, v_cache, first, map, slots, no_mask, flags, qi, oi,
-                                     rows, capture, std::nullopt, cos_table, sin_table, embed, weights, biases, dims,
-                                     eps, final_norm, head, head_bias, vocab, scale));
+                                     rows, capture, std::nullopt, cos_table, sin_table, embed, embed_rows, weights,
+                                     biases, dims, eps, final_norm, head, head_bias, vocab, scale));
   }
   return drafts;
 }
@@ -956,22 +1000,23 @@ TORCH_LIBRARY(specdec_cpu, m) {
   m.def("decoder_forward(Tensor tokens, Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor logit_index, Tensor[] slot_mapping, Tensor[] slots, Tensor?[] masks, int[] flags, "
         "Tensor[] q_index, Tensor[] out_index, int[] group_rows, int[] capture, Tensor? rows, "
-        "Tensor cos_table, Tensor sin_table, Tensor embed, Tensor[] weights, Tensor?[] biases, int[] dims, "
-        "float eps, Tensor final_norm, Tensor head, Tensor? head_bias, int vocab, float scale) "
+        "Tensor cos_table, Tensor sin_table, Tensor embed, int embed_rows, Tensor[] weights, Tensor?[] biases, "
+        "int[] dims, float eps, Tensor final_norm, Tensor head, Tensor? head_bias, int vocab, float scale) "
         "-> (Tensor, Tensor, Tensor, Tensor[])");
   m.def("decoder_steps(Tensor logits, Tensor step_positions, Tensor step_slots, Tensor gather, Tensor(a!) k_cache, "
-        "Tensor(b!) v_cache, Tensor cos_table, Tensor sin_table, Tensor embed, Tensor[] weights, Tensor?[] biases, "
-        "int[] dims, float eps, Tensor final_norm, Tensor head, Tensor? head_bias, int vocab, float scale) -> Tensor");
+        "Tensor(b!) v_cache, Tensor cos_table, Tensor sin_table, Tensor embed, int embed_rows, Tensor[] weights, "
+        "Tensor?[] biases, int[] dims, float eps, Tensor final_norm, Tensor head, Tensor? head_bias, int vocab, "
+        "float scale) -> Tensor");
   m.def("eagle_forward(Tensor tokens, Tensor feature, Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor logit_index, Tensor[] slot_mapping, Tensor[] slots, Tensor?[] masks, int[] flags, Tensor[] q_index, "
-        "Tensor[] out_index, int[] group_rows, Tensor cos_table, Tensor sin_table, Tensor embed, Tensor? fc, "
+        "Tensor[] out_index, int[] group_rows, Tensor cos_table, Tensor sin_table, Tensor embed, int embed_rows, "
+        "Tensor? fc, Tensor? fc_bias, Tensor? input_norm, Tensor? hidden_norm, Tensor[] weights, Tensor?[] biases, "
+        "int[] dims, float eps, Tensor? final_norm, Tensor head, Tensor? head_bias, int vocab, Tensor? vocab_ids, "
+        "int full_vocab, float scale) -> (Tensor, Tensor, Tensor)");
+  m.def("eagle_steps(Tensor logits, Tensor h, Tensor pos0, int steps, Tensor gather, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor cos_table, Tensor sin_table, Tensor embed, int embed_rows, Tensor? fc, "
         "Tensor? fc_bias, Tensor? input_norm, Tensor? hidden_norm, Tensor[] weights, Tensor?[] biases, int[] dims, "
         "float eps, Tensor? final_norm, Tensor head, Tensor? head_bias, int vocab, Tensor? vocab_ids, int full_vocab, "
-        "float scale) -> (Tensor, Tensor, Tensor)");
-  m.def("eagle_steps(Tensor logits, Tensor h, Tensor pos0, int steps, Tensor gather, Tensor(a!) k_cache, "
-        "Tensor(b!) v_cache, Tensor cos_table, Tensor sin_table, Tensor embed, Tensor? fc, Tensor? fc_bias, "
-        "Tensor? input_norm, Tensor? hidden_norm, Tensor[] weights, Tensor?[] biases, int[] dims, float eps, "
-        "Tensor? final_norm, Tensor head, Tensor? head_bias, int vocab, Tensor? vocab_ids, int full_vocab, "
         "float scale) -> Tensor");
   m.def("medusa_forward(Tensor x, Tensor[] blocks, Tensor?[] biases, int layers, Tensor[] heads, int vocab) -> Tensor");
 }
