@@ -160,8 +160,9 @@ class DraftBatch:
     num_draft: torch.Tensor  # [B] int64, drafts each request really proposes (<= gamma)
     first_position: torch.Tensor  # [B] int64, sequence position of each request's first draft
     # num_draft on the host where the proposer knows it (the step verifies that many rows
-    # each); None: the step reads it from num_draft.
-    num_draft_host: list[int] | None = None
+    # each); None: the step reads it from num_draft. Keyword-only, so a proposer's subclass
+    # can add fields without defaults.
+    num_draft_host: list[int] | None = field(default=None, kw_only=True)
 
 
 @dataclass
