@@ -136,6 +136,12 @@ class HeadRecipe:
         self.info["aux_layers"] = list(self.capture)
         if rc.init_from:
             self._init_from_checkpoint(Path(rc.init_from))
+            if self.kind == "eagle3":  # the loaded head's draft vocabulary (d2t, t2d) replaced the stream's:
+                n = hcfg.num_draft_vocab  # re-set through set_draft_vocab, so its cached id map follows
+                self.head.set_draft_vocab(torch.arange(n) + self.head.d2t)
+                share = float(self.head.t2d[train_stream].float().mean()) if train_stream.numel() else 0.0
+                self.info["draft_vocab"] = {"size": n, "rule": f"train.init_from's draft vocabulary ({n} ids, "
+                                            "kept with its lm_head)", "train_token_coverage": round(share, 5)}
         elif rc.init_from_target:
             self._init_from_target()
         for p in target.parameters():
