@@ -15,12 +15,11 @@
 #   tests        pytest -m gpu tests/spec/test_cuda.py tests/core/test_gpu_ready.py: every method and
 #                tree equal to CPU plain decoding (fp32, TF32 off), bf16 under the exactness policy,
 #                sampling chi-square on the device (and its negative control), compile = eager
-#   graphs       plain batch-1 decoding eager vs runtime.compile=true (CUDA graphs): graphs_speedup
+#   compare_hf   experiments/bench/compare_hf.py on the built-in pair, compiled and eager at batch 1
+#                (compile_gain_plain: CUDA graphs against the same code eager), a small batch sweep
 #   spec_b1/_b8  experiments/bench/spec.py device=DEVICE at batch 1 and 8 (EAGLE-3, draft model ... vs plain)
 #   smollm2      spec.py on the real target (SmolLM2-135M GGUF, n-gram), if cached (a device has no
 #                network: SMOLLM2_GGUF=<a copy of the file> otherwise); skipped with a note if absent
-#   compare_hf   experiments/bench/compare_hf.py on the built-in pair, compiled and eager at batch 1
-#                (compile_gain_plain), a small batch sweep
 #   ar           experiments/bench/ar.py, only once it takes device= (today it runs on the CPU only)
 # Then out_dir/summary.json (experiments/bench/gpu_summary.py): each step's status, its closing
 # JSON line and the device record. Logs: out_dir/<step>.log.
@@ -70,13 +69,11 @@ skip() {  # name, reason
 if [[ $DEVICE == cpu ]]; then
   SPEC_SIZE=(num_prompts=2 new_tokens=16 repeats=1 'gammas=[4]' 'proposers=[ngram]' 'trees=[]')
   CMP_SIZE=(quick=true num_prompts=2 new_tokens=16 'batch_sizes=[1]' sweep_repeats=1 sweep_min_requests=1)
-  GRAPH_TOKENS=16
 else
   SPEC_SIZE=(num_prompts=8 new_tokens=64 repeats=3 'gammas=[4]' 'proposers=[draft_model,ngram,eagle,eagle3,medusa]'
              'trees=[eagle3,medusa]' 'tree_budgets=[8]')
   CMP_SIZE=(num_prompts=4 new_tokens=64 repeats=3 hf_repeats=1 'batch_sizes=[1,8]' sweep_repeats=3
             sweep_min_requests=8 sweep_compile=false sweep_hf=false)
-  GRAPH_TOKENS=128
 fi
 
 step device 60 "$PY" - "$DEVICE" <<'EOF'
@@ -90,42 +87,10 @@ EOF
 step tests 240 "$PY" -m pytest -p no:cacheprovider -p no:warnings -m gpu -rs \
   tests/spec/test_cuda.py tests/core/test_gpu_ready.py
 
-# CUDA graphs: plain batch-1 decoding of the built-in target, eager and compiled, same code, greedy.
-step graphs 120 "$PY" - "$DEVICE" "$GRAPH_TOKENS" <<'EOF'
-import json, sys, time
-import torch
-from specdec.api import LLM
-from specdec.core.context import SamplingParams
-from specdec.core.pipeline_model import RuntimeConfig
-from specdec.engine import EngineConfig
-from specdec.measure import builtin_pair, checkpoint
-
-device, n = sys.argv[1], int(sys.argv[2])
-target = checkpoint("builtin", (builtin_pair() or (None,))[0], layers=6)
-prompt = [list(range(3, 35))]
-
-def sync():
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-def tok_s(compile_):
-    llm = LLM(target, runtime=RuntimeConfig(max_batch_size=1, max_seq_len=256, device=device, compile=compile_),
-              engine_config=EngineConfig(max_batch_size=1))
-    sp = SamplingParams(max_new_tokens=n, ignore_eos=True)
-    llm.generate(prompt, sp)  # warm-up: compiles / captures every shape the timed runs meet
-    times, out = [], None
-    for _ in range(3):
-        sync(); t = time.perf_counter()
-        out = llm.generate(prompt, sp)[0].token_ids
-        sync(); times.append(time.perf_counter() - t)
-    return n / sorted(times)[1], out
-
-eager, eager_out = tok_s(False)
-graphs, graphs_out = tok_s(True)
-print(json.dumps({"eager_tok_s": round(eager, 1), "graphs_tok_s": round(graphs, 1),
-                  "graphs_speedup_batch1": round(graphs / eager, 3), "outputs_equal": eager_out == graphs_out,
-                  "model": str(target), "device": device, "new_tokens": n}))
-EOF
+# CUDA graphs: compare_hf.py with compile=true times plain decoding compiled (CUDA graphs) against the
+# same code eager by turns (compile_gain_plain), beside the pairs' figures; before the long steps.
+step compare_hf 180 "$PY" experiments/bench/compare_hf.py device="$DEVICE" 'pairs=[builtin]' compile=true \
+  "${CMP_SIZE[@]}"
 
 step spec_b1 120 "$PY" experiments/bench/spec.py device="$DEVICE" batch_size=1 "${SPEC_SIZE[@]}"
 step spec_b8 120 "$PY" experiments/bench/spec.py device="$DEVICE" batch_size=8 "${SPEC_SIZE[@]}"
@@ -140,9 +105,6 @@ else
   skip smollm2 "no $GGUF: fetch it where there is network (python -c 'from specdec.zoo_fetch import \
 fetch; fetch(\"smollm2\")') and copy it here, or set SMOLLM2_GGUF"
 fi
-
-step compare_hf 180 "$PY" experiments/bench/compare_hf.py device="$DEVICE" 'pairs=[builtin]' compile=true \
-  "${CMP_SIZE[@]}"
 
 # ar.py times ours against transformers; it has no device= key yet (CPU only), so it is not a device figure.
 if grep -q '^    device:' experiments/bench/ar.py; then
