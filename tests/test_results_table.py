@@ -46,6 +46,14 @@ def _write(path: Path, records) -> None:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
 
 
+def _dirs(tmp_path: Path, readme_text: str = "<!-- results:start -->\n<!-- results:end -->\n"):
+    """An empty results dir and a README holding only the markers: (results, readme, CLI args)."""
+    results, readme = tmp_path / "results", tmp_path / "README.md"
+    results.mkdir()
+    readme.write_text(readme_text)
+    return results, readme, ["--readme", str(readme), "--results", str(results)]
+
+
 def test_readme_table_is_what_the_records_give():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     table = results_table.render(results_table.load_records(ROOT / "results"))
@@ -54,15 +62,11 @@ def test_readme_table_is_what_the_records_give():
 
 
 def test_the_newest_real_record_is_the_headline_and_make_run_a_smoke_line(tmp_path, capsys):
-    results = tmp_path / "results"
-    results.mkdir()
+    results, readme, args = _dirs(tmp_path, "intro\n<!-- results:start -->\n<!-- results:end -->\nrest\n")
     _write(results / "real.jsonl", [_real(date="2026-01-03 00:00 UTC", figures={"other/tau": 9.0}),
                                     _real(date="2026-01-04 00:00 UTC")])  # the newest is the later date
     _write(results / "make_run.jsonl", [_record(date="2025-12-31 00:00 UTC", figures={"plain/tok_s": 1.0}),
                                         _record()])
-    readme = tmp_path / "README.md"
-    readme.write_text("intro\n<!-- results:start -->\n<!-- results:end -->\nrest\n")
-    args = ["--readme", str(readme), "--results", str(results)]
     assert results_table.main(args + ["--check"]) == 1  # empty block
     assert results_table.main(args) == 0
     text = readme.read_text()
@@ -85,12 +89,8 @@ def test_the_newest_real_record_is_the_headline_and_make_run_a_smoke_line(tmp_pa
 
 
 def test_check_fails_on_a_stale_or_hand_edited_readme(tmp_path, capsys):
-    results = tmp_path / "results"
-    results.mkdir()
+    results, readme, args = _dirs(tmp_path)
     _write(results / "real.jsonl", [_real()])
-    readme = tmp_path / "README.md"
-    readme.write_text("<!-- results:start -->\n<!-- results:end -->\n")
-    args = ["--readme", str(readme), "--results", str(results)]
     assert results_table.main(args) == 0 and results_table.main(args + ["--check"]) == 0
     text = readme.read_text()
     readme.write_text(text.replace("1.24", "1.42"))  # a hand-edited figure
@@ -105,12 +105,9 @@ def test_check_fails_on_a_stale_or_hand_edited_readme(tmp_path, capsys):
 
 
 def test_no_real_record_is_named(tmp_path, capsys):
-    results = tmp_path / "results"
-    results.mkdir()
+    results, readme, args = _dirs(tmp_path)
     _write(results / "make_run.jsonl", [_record()])
-    readme = tmp_path / "README.md"
-    readme.write_text("<!-- results:start -->\n<!-- results:end -->\n")
-    assert results_table.main(["--readme", str(readme), "--results", str(results), "--check"]) == 2
+    assert results_table.main(args + ["--check"]) == 2
     assert "results/real.jsonl" in capsys.readouterr().err
 
 
