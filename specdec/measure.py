@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
-from specdec.conf_schema import ZOO_DIR, zoo_drafter  # (zoo_drafter: the benchmarks take it from here)
+from specdec.conf_schema import ZOO_DIR
 from specdec.core.kernels import cpu_kernels_available
 from specdec.core.kv_cache import OutOfBlocks
 from specdec.core.pipeline_model import DecoderPipelineModel, RuntimeConfig

@@ -69,6 +69,7 @@ from typing import Any, Optional  # noqa: UP035 (OmegaConf reads typing generics
 import torch
 
 from specdec.api import LLM
+from specdec.conf_schema import zoo_drafter
 from specdec.core.context import SamplingParams
 from specdec.core.pipeline_model import RuntimeConfig
 from specdec.engine import EngineConfig
@@ -92,7 +93,6 @@ from specdec.measure import (
     step_breakdown,
     random_head,
     with_room_for_bare,
-    zoo_drafter,
 )
 from specdec.spec.proposers import ProposerConfig, config_class
 
