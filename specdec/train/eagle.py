@@ -38,7 +38,7 @@ from torch import nn
 from specdec.models.config import LlamaConfig
 from specdec.models.llama import LlamaDecoder
 from specdec.train.config import RecipeConfig
-from specdec.train.data import EvalSet, Features, TargetFeatures, chain_tau, tau_summary, top_tokens
+from specdec.train.data import EvalSet, Features, chain_tau, tau_summary, top_tokens
 
 
 class UnrolledAttend:
