@@ -83,6 +83,8 @@ __all__ = [
     "check_tree_fits",
     "short_repr",
     "Candidates",
+    "NativeExpand",
+    "native_tree_serves",
     "NodeStep",
     "Selection",
     "StaticShape",
@@ -983,9 +985,25 @@ def draft_static_tree(step: NodeStep, root_logits: torch.Tensor, root_state: tor
     return tokens, par.expand(b, n), num_nodes
 
 
+# A drafter's whole EAGLE-2 expansion in one native call: (root_logits [B, V], root_state [B, H] | None,
+# tree_slots [B, R], depth, top_k) -> the candidates :func:`expand_topk` gives with its NodeStep.
+NativeExpand = Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor, int, int],
+                        tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def native_tree_serves(kv: KVCacheTensors, module: torch.nn.Module, max_position: int) -> bool:
+    """Whether a drafter's native expansion (:data:`NativeExpand`) may stand in for the Python
+    loop now: eager (not traced, no gradients), on a float32 CPU cache our attention kernel
+    reads (head_dim a multiple of 16), ``module``'s rope table built past ``max_position``."""
+    return (not torch.compiler.is_compiling() and not torch.is_grad_enabled() and kv.k.device.type == "cpu"
+            and kv.k.dtype == torch.float32 and kv.k.shape[-1] % 16 == 0
+            and getattr(module, "_rope_len", 0) > max_position)
+
+
 def draft_dynamic_tree(step: NodeStep, root_logits: torch.Tensor, root_state: torch.Tensor | None,
                        tree_slots: torch.Tensor, tree: TreeConfig, n: int,
-                       num_draft: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       num_draft: torch.Tensor | None = None,
+                       native: NativeExpand | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """EAGLE-2's tree (:func:`expand_topk`, :func:`dynamic_tree_select`) of ``n`` nodes
     -> (tokens [B, n], parents [B, n], num_nodes [B]).
 
@@ -993,7 +1011,8 @@ def draft_dynamic_tree(step: NodeStep, root_logits: torch.Tensor, root_state: to
     ``c`` writes ``tree_slots[:, c·K : (c+1)·K]`` and a node sees its parent's ancestors,
     then its parent. ``num_draft`` [B]: each request keeps only its best ``num_draft[b]``
     candidates (None: the best ``n``). Fewer candidates than ``n``: padded with root
-    children past ``num_nodes``.
+    children past ``num_nodes``. ``native``: the same expansion as one call of the
+    drafter's native backend (the Python loop's bits without its host work per frontier).
     """
     k = tree.top_k
     b = root_logits.shape[0]
@@ -1014,7 +1033,10 @@ def draft_dynamic_tree(step: NodeStep, root_logits: torch.Tensor, root_state: to
         calls.append((anc, own, state))
         return torch.log_softmax(lg.float(), -1)
 
-    cand = expand_topk(torch.log_softmax(root_logits.float(), -1), draft_fn, tree.depth, k)
+    if native is not None:
+        cand = Candidates(*native(root_logits, root_state, tree_slots, tree.depth, k))
+    else:
+        cand = expand_topk(torch.log_softmax(root_logits.float(), -1), draft_fn, tree.depth, k)
     scores = cand.scores.nan_to_num(nan=float("-inf"))
     if num_draft is not None:  # each request's own budget: its best num_draft[b] (still a tree)
         m = scores.shape[1]
