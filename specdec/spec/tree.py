@@ -277,6 +277,10 @@ def ancestor_mask(parents: torch.Tensor, num_nodes: torch.Tensor | None = None) 
     squaring: ``ceil(log2 N)`` batched boolean products, no loop over nodes.
     """
     b, n = parents.shape
+    if parents.device.type == "cpu" and b * n <= HOST_WALK_NODES:
+        host = _ancestor_mask_host(parents, num_nodes)
+        if host is not None:
+            return host
     ar = torch.arange(n, device=parents.device)
     step = (parents.unsqueeze(-1) == ar) | (ar.unsqueeze(1) == ar)  # [B, N, N] self or parent
     step &= valid_nodes(parents, num_nodes).unsqueeze(-1) | (ar.unsqueeze(1) == ar)  # padding: self only
@@ -284,6 +288,26 @@ def ancestor_mask(parents: torch.Tensor, num_nodes: torch.Tensor | None = None) 
     for _ in range(max(n - 1, 1).bit_length()):  # paths of <= 2^k edges after k squarings
         m = (m + torch.bmm(m, m)).clamp(max=1.0)
     return m > 0
+
+
+def _ancestor_mask_host(parents: torch.Tensor, num_nodes: torch.Tensor | None) -> torch.Tensor | None:
+    """:func:`ancestor_mask` of a small CPU batch on host lists (a real node's row is its
+    parent's row and itself), or None where a real node's parent does not come before it."""
+    b, n = parents.shape
+    pr = parents.tolist()
+    real = num_nodes.tolist() if num_nodes is not None else [n] * b
+    out = []
+    for r in range(b):
+        rows: list[list[bool]] = []
+        for i in range(n):
+            p = pr[r][i]
+            if i < real[r] and p >= i:
+                return None
+            row = rows[p].copy() if i < real[r] and p >= 0 else [False] * n
+            row[i] = True
+            rows.append(row)
+        out.append(rows)
+    return torch.tensor(out, dtype=torch.bool).view(b, n, n)
 
 
 def depths(parents: torch.Tensor, num_nodes: torch.Tensor | None = None) -> torch.Tensor:
@@ -550,6 +574,8 @@ def dynamic_tree_select(scores: torch.Tensor, parents: torch.Tensor, total_token
     """
     b, m = scores.shape
     k = min(total_tokens, m)
+    if scores.device.type == "cpu" and b * m <= HOST_SELECT_CANDIDATES:
+        return _select_host(scores, parents, k)
     finite = scores > float("-inf")  # NaN: not a candidate either
     order = torch.sort(scores.masked_fill(~finite, float("-inf")), dim=1, descending=True, stable=True).indices[:, :k]
     kept_ok = finite.gather(1, order)  # [B, K]
@@ -561,6 +587,28 @@ def dynamic_tree_select(scores: torch.Tensor, parents: torch.Tensor, total_token
     old_par = parents.gather(1, idx)  # [B, K]
     new_par = torch.where(old_par >= 0, inv.gather(1, old_par.clamp(min=0)), -1)
     return Selection(idx, torch.where(kept_ok, new_par, -1), kept_ok.sum(1))
+
+
+# A small CPU batch selects on host lists: tens of µs, not ~15 eager tensor ops.
+HOST_SELECT_CANDIDATES = 1024
+
+
+def _select_host(scores: torch.Tensor, parents: torch.Tensor, k: int) -> Selection:
+    """:func:`dynamic_tree_select` on host lists (CPU tensors), the same rule: a stable sort
+    by score, descending, kept ones re-indexed in candidate order, then the rest."""
+    neg = float("-inf")
+    index, new_parents, counts = [], [], []
+    for sc, par in zip(scores.tolist(), parents.tolist()):
+        v = [x if x > neg else neg for x in sc]  # NaN: no candidate either
+        order = sorted(range(len(v)), key=lambda i: -v[i])[:k]  # (stable: ties to the earlier)
+        real = sorted(i for i in order if v[i] > neg)
+        idx = real + sorted(i for i in order if not v[i] > neg)
+        inv = {i: j for j, i in enumerate(idx)}
+        index.append(idx)
+        new_parents.append([inv.get(par[i], -1) if j < len(real) and par[i] >= 0 else -1 for j, i in enumerate(idx)])
+        counts.append(len(real))
+    return Selection(torch.tensor(index, dtype=torch.long).view(-1, k),
+                     torch.tensor(new_parents, dtype=torch.long).view(-1, k), torch.tensor(counts, dtype=torch.long))
 
 
 # -- verification ------------------------------------------------------------------------------
