@@ -8,6 +8,8 @@
 // request's keys and values by slot, straight from the cache (no gathered copy);
 // decoder_forward — a whole Llama forward on those three, in one call (LlamaDecoder.forward's
 // eager bits), and decoder_steps — one request's greedy draft chain of such forwards;
+// eagle_tree / decoder_tree — a dynamic (EAGLE-2) token tree's expansion, every frontier's
+// forward and top-k, in one call (the Python loop's bits);
 // huge_empty — memory on transparent huge pages, for a model's packed weights.
 //
 // row_linear:
