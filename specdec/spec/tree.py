@@ -593,12 +593,21 @@ def dynamic_tree_select(scores: torch.Tensor, parents: torch.Tensor, total_token
 HOST_SELECT_CANDIDATES = 1024
 
 
-def _select_host(scores: torch.Tensor, parents: torch.Tensor, k: int) -> Selection:
+def _select_host(scores: torch.Tensor, parents: torch.Tensor, k: int,
+                 budgets: torch.Tensor | None = None) -> Selection:
     """:func:`dynamic_tree_select` on host lists (CPU tensors), the same rule: a stable sort
-    by score, descending, kept ones re-indexed in candidate order, then the rest."""
+    by score, descending, kept ones re-indexed in candidate order, then the rest. ``budgets``
+    [B]: first, as :func:`draft_dynamic_tree` does, request ``b``'s candidates past its best
+    ``budgets[b]`` (that stable order) become ``-inf``."""
     neg = float("-inf")
     index, new_parents, counts = [], [], []
-    for sc, par in zip(scores.tolist(), parents.tolist()):
+    caps = budgets.tolist() if budgets is not None else [None] * scores.shape[0]
+    for sc, par, cap in zip(scores.tolist(), parents.tolist(), caps):
+        if cap is not None:
+            ranked = sorted(range(len(sc)), key=lambda i: -sc[i] if sc[i] == sc[i] else neg)  # NaN first, as torch
+            sc = list(sc)
+            for i in ranked[max(cap, 0):]:
+                sc[i] = neg
         v = [x if x > neg else neg for x in sc]  # NaN: no candidate either
         order = sorted(range(len(v)), key=lambda i: -v[i])[:k]  # (stable: ties to the earlier)
         real = sorted(i for i in order if v[i] > neg)
@@ -1086,12 +1095,15 @@ def draft_dynamic_tree(step: NodeStep, root_logits: torch.Tensor, root_state: to
     else:
         cand = expand_topk(torch.log_softmax(root_logits.float(), -1), draft_fn, tree.depth, k)
     scores = cand.scores.nan_to_num(nan=float("-inf"))
-    if num_draft is not None:  # each request's own budget: its best num_draft[b] (still a tree)
-        m = scores.shape[1]
-        order = scores.sort(dim=1, descending=True, stable=True).indices
-        rank = torch.empty_like(order).scatter_(1, order, torch.arange(m, device=scores.device).expand(b, m))
-        scores = scores.masked_fill(rank >= num_draft.unsqueeze(1), float("-inf"))
-    sel = dynamic_tree_select(scores, cand.parents, n)
+    if scores.device.type == "cpu" and scores.numel() <= HOST_SELECT_CANDIDATES:
+        sel = _select_host(scores, cand.parents, min(n, scores.shape[1]), num_draft)
+    else:
+        if num_draft is not None:  # each request's own budget: its best num_draft[b] (still a tree)
+            m = scores.shape[1]
+            order = scores.sort(dim=1, descending=True, stable=True).indices
+            rank = torch.empty_like(order).scatter_(1, order, torch.arange(m, device=scores.device).expand(b, m))
+            scores = scores.masked_fill(rank >= num_draft.unsqueeze(1), float("-inf"))
+        sel = dynamic_tree_select(scores, cand.parents, n)
     tokens, parents = cand.tokens.gather(1, sel.index), sel.parents
     if tokens.shape[1] < n:  # fewer candidates than the budget (small top_k · depth)
         pad = n - tokens.shape[1]

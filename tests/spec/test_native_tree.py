@@ -98,3 +98,31 @@ def test_host_dynamic_tree_select_equals_the_tensor_path(monkeypatch) -> None:
         monkeypatch.undo()
         for x, y in zip(host, dev):
             assert x.dtype == y.dtype and torch.equal(x, y), (scores, parents, k, host, dev)
+
+
+def test_host_budgeted_selection_equals_the_tensor_path(monkeypatch) -> None:
+    # draft_dynamic_tree with per-request budgets (num_draft) over given candidates (a stand-in
+    # native expansion), on host lists and as tensor ops: the same trees.
+    from specdec.spec.tree import TreeConfig, draft_dynamic_tree
+
+    g = torch.Generator().manual_seed(7)
+    values = torch.tensor([-0.5, -1.0, -2.0, float("-inf"), float("nan"), -3.0])
+    k, depth = 2, 3
+    m = k + (depth - 1) * k * k
+    cfg = TreeConfig(kind="dynamic", top_k=k, depth=depth)
+    for trial in range(150):
+        b = 3
+        parents, _ = _random_tree(g, b, m)
+        scores = values[torch.randint(len(values), (b, m), generator=g)]
+        tokens = torch.randint(50, (b, m), generator=g)
+        n = int(torch.randint(1, m + 3, (1,), generator=g))
+        num_draft = None if trial % 5 == 0 else torch.randint(0, n + 2, (b,), generator=g)
+        outs = []
+        for host in (True, False):
+            if not host:
+                monkeypatch.setattr(tree_mod, "HOST_SELECT_CANDIDATES", -1)
+            outs.append(draft_dynamic_tree(None, torch.zeros(b, 50), None, torch.zeros(b, 0, dtype=torch.long), cfg,
+                                           n, num_draft, native=lambda *a: (tokens, parents, scores)))
+            monkeypatch.undo()
+        for x, y in zip(*outs):
+            assert torch.equal(x, y), (scores, parents, n, num_draft, outs)
