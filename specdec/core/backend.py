@@ -45,6 +45,10 @@ class Backend:
     draft_chain: Callable[..., torch.Tensor] | None = None
     # The same for an EAGLE head's chain (NativeEagleBackend).
     head_chain: Callable[..., torch.Tensor] | None = None
+    # A dynamic token tree's whole expansion in one call (specdec.spec.tree.expand_topk's
+    # candidates), where the backend has one: a draft decoder's, an EAGLE head's.
+    draft_tree: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    head_tree: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     def __init__(self, module: nn.Module, kind: str = "eager") -> None:
         self.module = module
@@ -101,6 +105,19 @@ class NativeBackend(Backend):
         return torch.ops.specdec_cpu.decoder_steps.default(
             logits, step_positions, step_slots, gather_slots, kv.k, kv.v, m.rope_cos, m.rope_sin, *self.operands)
 
+    def draft_tree(self, logits: torch.Tensor, tree_slots: torch.Tensor,  # type: ignore[override]
+                   gather_slots: torch.Tensor, lens: torch.Tensor, max_ctx: int, depth: int, top_k: int,
+                   exact_context: bool, kv: KVCacheTensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """EAGLE-2's expansion (:func:`~specdec.spec.tree.expand_topk`) after the catch-up
+        ``logits`` [B, V] in one call, each frontier one forward fed as
+        :func:`~specdec.spec.tree.node_rows` feeds it (context ``gather_slots[b, :lens[b]]``,
+        then ``tree_slots``) -> the candidates' (tokens, parents, scores), the Python's bits."""
+        m = self.module
+        window = m.config.sliding_window or 0
+        return torch.ops.specdec_cpu.decoder_tree.default(
+            logits, tree_slots, gather_slots, lens, max_ctx, depth, top_k, exact_context, window, kv.k, kv.v,
+            m.rope_cos, m.rope_sin, *self.operands)
+
 
 class _NativeHead(Backend):
     """A draft head whose forward is one native call on ``operands`` (its ``native_operands()``)."""
@@ -134,6 +151,17 @@ class NativeEagleBackend(_NativeHead):
         m = self.module
         return torch.ops.specdec_cpu.eagle_steps.default(logits, h, pos0, steps, gather, kv.k, kv.v, m.rope_cos,
                                                          m.rope_sin, *self.operands)
+
+    def head_tree(self, logits: torch.Tensor, h: torch.Tensor, tree_slots: torch.Tensor,  # type: ignore[override]
+                  gather_slots: torch.Tensor, lens: torch.Tensor, max_ctx: int, depth: int, top_k: int,
+                  kv: KVCacheTensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """EAGLE-2's expansion (:func:`~specdec.spec.tree.expand_topk`) after the catch-up
+        (``logits`` [B, V], state ``h`` [B, d]) in one call, each frontier one head forward
+        fed as :func:`~specdec.spec.tree.node_rows` feeds it -> the candidates' (tokens,
+        parents, scores), the Python's bits."""
+        m = self.module
+        return torch.ops.specdec_cpu.eagle_tree.default(logits, h, tree_slots, gather_slots, lens, max_ctx, depth,
+                                                        top_k, kv.k, kv.v, m.rope_cos, m.rope_sin, *self.operands)
 
 
 class NativeMedusaBackend(_NativeHead):

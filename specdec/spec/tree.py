@@ -83,6 +83,8 @@ __all__ = [
     "check_tree_fits",
     "short_repr",
     "Candidates",
+    "NativeExpand",
+    "native_tree_serves",
     "NodeStep",
     "Selection",
     "StaticShape",
@@ -275,6 +277,10 @@ def ancestor_mask(parents: torch.Tensor, num_nodes: torch.Tensor | None = None) 
     squaring: ``ceil(log2 N)`` batched boolean products, no loop over nodes.
     """
     b, n = parents.shape
+    if parents.device.type == "cpu" and b * n <= HOST_WALK_NODES and not torch.compiler.is_compiling():
+        host = _ancestor_mask_host(parents, num_nodes)
+        if host is not None:
+            return host
     ar = torch.arange(n, device=parents.device)
     step = (parents.unsqueeze(-1) == ar) | (ar.unsqueeze(1) == ar)  # [B, N, N] self or parent
     step &= valid_nodes(parents, num_nodes).unsqueeze(-1) | (ar.unsqueeze(1) == ar)  # padding: self only
@@ -282,6 +288,26 @@ def ancestor_mask(parents: torch.Tensor, num_nodes: torch.Tensor | None = None) 
     for _ in range(max(n - 1, 1).bit_length()):  # paths of <= 2^k edges after k squarings
         m = (m + torch.bmm(m, m)).clamp(max=1.0)
     return m > 0
+
+
+def _ancestor_mask_host(parents: torch.Tensor, num_nodes: torch.Tensor | None) -> torch.Tensor | None:
+    """:func:`ancestor_mask` of a small CPU batch on host lists (a real node's row is its
+    parent's row and itself), or None where a real node's parent does not come before it."""
+    b, n = parents.shape
+    pr = parents.tolist()
+    real = num_nodes.tolist() if num_nodes is not None else [n] * b
+    out = []
+    for r in range(b):
+        rows: list[list[bool]] = []
+        for i in range(n):
+            p = pr[r][i]
+            if i < real[r] and p >= i:
+                return None
+            row = rows[p].copy() if i < real[r] and p >= 0 else [False] * n
+            row[i] = True
+            rows.append(row)
+        out.append(rows)
+    return torch.tensor(out, dtype=torch.bool).view(b, n, n)
 
 
 def depths(parents: torch.Tensor, num_nodes: torch.Tensor | None = None) -> torch.Tensor:
@@ -548,6 +574,8 @@ def dynamic_tree_select(scores: torch.Tensor, parents: torch.Tensor, total_token
     """
     b, m = scores.shape
     k = min(total_tokens, m)
+    if scores.device.type == "cpu" and b * m <= HOST_SELECT_CANDIDATES and not torch.compiler.is_compiling():
+        return _select_host(scores, parents, k)
     finite = scores > float("-inf")  # NaN: not a candidate either
     order = torch.sort(scores.masked_fill(~finite, float("-inf")), dim=1, descending=True, stable=True).indices[:, :k]
     kept_ok = finite.gather(1, order)  # [B, K]
@@ -559,6 +587,38 @@ def dynamic_tree_select(scores: torch.Tensor, parents: torch.Tensor, total_token
     old_par = parents.gather(1, idx)  # [B, K]
     new_par = torch.where(old_par >= 0, inv.gather(1, old_par.clamp(min=0)), -1)
     return Selection(idx, torch.where(kept_ok, new_par, -1), kept_ok.sum(1))
+
+
+# A small CPU batch selects on host lists: tens of µs, not ~15 eager tensor ops (eager only:
+# a compiled drafting keeps its tensor ops, one graph without breaks).
+HOST_SELECT_CANDIDATES = 1024
+
+
+def _select_host(scores: torch.Tensor, parents: torch.Tensor, k: int,
+                 budgets: torch.Tensor | None = None) -> Selection:
+    """:func:`dynamic_tree_select` on host lists (CPU tensors), the same rule: a stable sort
+    by score, descending, kept ones re-indexed in candidate order, then the rest. ``budgets``
+    [B]: first, as :func:`draft_dynamic_tree` does, request ``b``'s candidates past its best
+    ``budgets[b]`` (that stable order) become ``-inf``."""
+    neg = float("-inf")
+    index, new_parents, counts = [], [], []
+    caps = budgets.tolist() if budgets is not None else [None] * scores.shape[0]
+    for sc, par, cap in zip(scores.tolist(), parents.tolist(), caps):
+        if cap is not None:
+            ranked = sorted(range(len(sc)), key=lambda i: -sc[i] if sc[i] == sc[i] else neg)  # NaN first, as torch
+            sc = list(sc)
+            for i in ranked[max(cap, 0):]:
+                sc[i] = neg
+        v = [x if x > neg else neg for x in sc]  # NaN: no candidate either
+        order = sorted(range(len(v)), key=lambda i: -v[i])[:k]  # (stable: ties to the earlier)
+        real = sorted(i for i in order if v[i] > neg)
+        idx = real + sorted(i for i in order if not v[i] > neg)
+        inv = {i: j for j, i in enumerate(idx)}
+        index.append(idx)
+        new_parents.append([inv.get(par[i], -1) if j < len(real) and par[i] >= 0 else -1 for j, i in enumerate(idx)])
+        counts.append(len(real))
+    return Selection(torch.tensor(index, dtype=torch.long).view(-1, k),
+                     torch.tensor(new_parents, dtype=torch.long).view(-1, k), torch.tensor(counts, dtype=torch.long))
 
 
 # -- verification ------------------------------------------------------------------------------
@@ -983,9 +1043,25 @@ def draft_static_tree(step: NodeStep, root_logits: torch.Tensor, root_state: tor
     return tokens, par.expand(b, n), num_nodes
 
 
+# A drafter's whole EAGLE-2 expansion in one native call: (root_logits [B, V], root_state [B, H] | None,
+# tree_slots [B, R], depth, top_k) -> the candidates :func:`expand_topk` gives with its NodeStep.
+NativeExpand = Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor, int, int],
+                        tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def native_tree_serves(kv: KVCacheTensors, module: torch.nn.Module, max_position: int) -> bool:
+    """Whether a drafter's native expansion (:data:`NativeExpand`) may stand in for the Python
+    loop now: eager (not traced, no gradients), on a float32 CPU cache our attention kernel
+    reads (head_dim a multiple of 16), ``module``'s rope table built past ``max_position``."""
+    return (not torch.compiler.is_compiling() and not torch.is_grad_enabled() and kv.k.device.type == "cpu"
+            and kv.k.dtype == torch.float32 and kv.k.shape[-1] % 16 == 0
+            and getattr(module, "_rope_len", 0) > max_position)
+
+
 def draft_dynamic_tree(step: NodeStep, root_logits: torch.Tensor, root_state: torch.Tensor | None,
                        tree_slots: torch.Tensor, tree: TreeConfig, n: int,
-                       num_draft: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       num_draft: torch.Tensor | None = None,
+                       native: NativeExpand | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """EAGLE-2's tree (:func:`expand_topk`, :func:`dynamic_tree_select`) of ``n`` nodes
     -> (tokens [B, n], parents [B, n], num_nodes [B]).
 
@@ -993,7 +1069,8 @@ def draft_dynamic_tree(step: NodeStep, root_logits: torch.Tensor, root_state: to
     ``c`` writes ``tree_slots[:, c·K : (c+1)·K]`` and a node sees its parent's ancestors,
     then its parent. ``num_draft`` [B]: each request keeps only its best ``num_draft[b]``
     candidates (None: the best ``n``). Fewer candidates than ``n``: padded with root
-    children past ``num_nodes``.
+    children past ``num_nodes``. ``native``: the same expansion as one call of the
+    drafter's native backend (the Python loop's bits without its host work per frontier).
     """
     k = tree.top_k
     b = root_logits.shape[0]
@@ -1014,14 +1091,21 @@ def draft_dynamic_tree(step: NodeStep, root_logits: torch.Tensor, root_state: to
         calls.append((anc, own, state))
         return torch.log_softmax(lg.float(), -1)
 
-    cand = expand_topk(torch.log_softmax(root_logits.float(), -1), draft_fn, tree.depth, k)
+    if native is not None:
+        cand = Candidates(*native(root_logits, root_state, tree_slots, tree.depth, k))
+    else:
+        cand = expand_topk(torch.log_softmax(root_logits.float(), -1), draft_fn, tree.depth, k)
     scores = cand.scores.nan_to_num(nan=float("-inf"))
-    if num_draft is not None:  # each request's own budget: its best num_draft[b] (still a tree)
-        m = scores.shape[1]
-        order = scores.sort(dim=1, descending=True, stable=True).indices
-        rank = torch.empty_like(order).scatter_(1, order, torch.arange(m, device=scores.device).expand(b, m))
-        scores = scores.masked_fill(rank >= num_draft.unsqueeze(1), float("-inf"))
-    sel = dynamic_tree_select(scores, cand.parents, n)
+    if (scores.device.type == "cpu" and scores.numel() <= HOST_SELECT_CANDIDATES
+            and not torch.compiler.is_compiling()):  # (traced: tensor ops, one graph)
+        sel = _select_host(scores, cand.parents, min(n, scores.shape[1]), num_draft)
+    else:
+        if num_draft is not None:  # each request's own budget: its best num_draft[b] (still a tree)
+            m = scores.shape[1]
+            order = scores.sort(dim=1, descending=True, stable=True).indices
+            rank = torch.empty_like(order).scatter_(1, order, torch.arange(m, device=scores.device).expand(b, m))
+            scores = scores.masked_fill(rank >= num_draft.unsqueeze(1), float("-inf"))
+        sel = dynamic_tree_select(scores, cand.parents, n)
     tokens, parents = cand.tokens.gather(1, sel.index), sel.parents
     if tokens.shape[1] < n:  # fewer candidates than the budget (small top_k · depth)
         pad = n - tokens.shape[1]

@@ -24,9 +24,11 @@ ZOO = Path(__file__).parents[2] / "specdec" / "zoo"
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    for arg in argv:\n        print(arg)\n" * 3
 READS = ("tolist", "item", "numpy", "__int__", "__bool__", "__float__", "__index__")
 # CPU only, reads of host tensors: the forward's own non-finite check, and a small tree's
-# greedy walk on host lists (tree.HOST_WALK_NODES); on a GPU neither runs. And a step in
-# which n-gram found nothing to draft is plain decoding's (PlainGeneration), not this one.
-EXEMPT = {"forward_checking_rows", "_walk_tree_greedy", "_decode_one", "_next_tokens"}
+# greedy walk, ancestor masks and dynamic-tree selection on host lists (tree.HOST_WALK_NODES,
+# HOST_SELECT_CANDIDATES); on a GPU none runs. And a step in which n-gram found nothing to
+# draft is plain decoding's (PlainGeneration), not this one.
+EXEMPT = {"forward_checking_rows", "_walk_tree_greedy", "_ancestor_mask_host", "_select_host", "_decode_one",
+          "_next_tokens"}
 
 
 class _ReadCounter:

@@ -8,6 +8,8 @@
 // request's keys and values by slot, straight from the cache (no gathered copy);
 // decoder_forward — a whole Llama forward on those three, in one call (LlamaDecoder.forward's
 // eager bits), and decoder_steps — one request's greedy draft chain of such forwards;
+// eagle_tree / decoder_tree — a dynamic (EAGLE-2) token tree's expansion, every frontier's
+// forward and top-k, in one call (the Python loop's bits);
 // huge_empty — memory on transparent huge pages, for a model's packed weights.
 //
 // row_linear:
@@ -928,6 +930,148 @@ at::Tensor decoder_steps(const at::Tensor& logits, const at::Tensor& step_positi
   return drafts;
 }
 
+// tree_expand: EAGLE-2's expansion of a dynamic token tree (specdec/spec/tree.py, expand_topk
+// with draft_dynamic_tree's frontier callback) in one call, each frontier's forward ``fwd`` native:
+// the same ops on the same operands as the Python loop (so its bits), without its host work.
+// Level 1 is the top k of log_softmax(root_logits [B, V]); then depth - 1 times the frontier
+// (k nodes a request) runs as B*k one-token requests (node_rows): node (b, m) at position
+// lens[b] + c (c: the call), its keys its request's context gather[b, :lens[b]], its c ancestors'
+// slots, then its own slot tree_slots[b, c*k + m]; it sees keys through its position (and inside
+// ``window`` when > 0) by an explicit mask, except one request of one node whose context is exactly
+// max_ctx keys (exact_context) that needs none (MaskKind.NONE). fwd(tokens [R], feature [R, d] or
+// undefined, positions [R], slot_mapping [R], slots [R, S], masks, single) -> (state [R, d] or
+// undefined, logits [R, V]). -> candidates (tokens, parents, scores) [B, k + (depth-1) k^2].
+template <class Fwd>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_expand(const at::Tensor& root_logits,
+                                                           const std::optional<at::Tensor>& root_state,
+                                                           const at::Tensor& tree_slots, const at::Tensor& gather,
+                                                           const at::Tensor& lens, int64_t max_ctx, int64_t depth,
+                                                           int64_t k, bool exact_context, int64_t window, Fwd fwd) {
+  const int64_t B = root_logits.size(0);
+  TORCH_CHECK(root_logits.dim() == 2 && tree_slots.dim() == 2 && tree_slots.size(0) == B &&
+                  tree_slots.size(1) >= (depth - 1) * k && gather.dim() == 2 && gather.size(0) == B &&
+                  lens.numel() == B && depth >= 1 && k >= 1,
+              "specdec::tree_expand: want root_logits [B, V], tree_slots [B, >= (depth - 1) k], gather [B, S], "
+              "lens [B]; got ", root_logits.sizes(), ", ", tree_slots.sizes(), ", ", gather.sizes(), ", ",
+              lens.sizes());
+  const auto lopt = at::TensorOptions().dtype(at::kLong);
+  const at::Tensor ts = tree_slots.to(at::kLong).contiguous(), g = gather.to(at::kLong).contiguous();
+  const at::Tensor ln = lens.reshape({B}).to(at::kLong).contiguous();
+  const int64_t G = g.size(1), R = B * k, TS = ts.size(1);
+  const int64_t *tsp = ts.const_data_ptr<int64_t>(), *gp = g.const_data_ptr<int64_t>();
+  const int64_t* lp_ = ln.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(lp_[b] >= 1 && lp_[b] <= max_ctx && lp_[b] <= G, "specdec::tree_expand: request ", b,
+                "'s context of ", lp_[b], " keys is outside [1, min(max_ctx ", max_ctx, ", gather ", G, ")]");
+  auto [score, tok] = at::log_softmax(root_logits.to(at::kFloat), -1).topk(k, -1);  // [B, K]
+  std::vector<at::Tensor> toks = {tok}, pars = {at::full({B, k}, -1, lopt)}, scores = {score};
+  at::Tensor front_id = at::arange(k, lopt).expand({B, k}), front_parent = at::full({B, k}, -1, lopt);
+  int64_t offset = k;
+  std::vector<int64_t> anc, prev_anc;  // [R, c] each frontier node's ancestors' slots, root side first
+  at::Tensor state;  // [B, K, d] the last frontier's states (what its nodes pass to their children)
+  const at::Tensor first = at::arange(R, lopt), q_index = first.view({R, 1});
+  const std::vector<int64_t> flags = {0, R == 1}, rows = {R};
+  const bool use_mask = window > 0 || !(R == 1 && exact_context);
+  for (int64_t c = 0; c + 1 < depth; ++c) {
+    const int64_t* fp = front_parent.const_data_ptr<int64_t>();
+    prev_anc.swap(anc);
+    anc.assign(R * c, 0);
+    for (int64_t r = 0; r < R; ++r) {  // the parent's ancestors, then the parent (frontier c - 1's own slot)
+      if (c == 0) break;
+      const int64_t b = r / k, pr = b * k + fp[r];
+      for (int64_t a = 0; a + 1 < c; ++a) anc[r * c + a] = prev_anc[pr * (c - 1) + a];
+      anc[r * c + c - 1] = tsp[b * TS + (c - 1) * k + fp[r]];
+    }
+    at::Tensor feat;
+    if (root_state.has_value() && root_state->defined()) {
+      const int64_t d = root_state->size(-1);
+      feat = c == 0 ? root_state->unsqueeze(1).expand({B, k, d})
+                    : state.gather(1, front_parent.unsqueeze(2).expand({-1, -1, d}));
+      feat = feat.reshape({R, d});
+    }
+    const int64_t S = max_ctx + c + 1;
+    at::Tensor pos = at::empty({R}, lopt), map = at::empty({R}, lopt), slots = at::empty({R, S}, lopt);
+    at::Tensor mask = use_mask ? at::empty({R, 1, 1, S}, at::TensorOptions().dtype(at::kBool)) : at::Tensor();
+    int64_t *pp = pos.mutable_data_ptr<int64_t>(), *mp = map.mutable_data_ptr<int64_t>();
+    int64_t* sp = slots.mutable_data_ptr<int64_t>();
+    bool* mk = use_mask ? mask.mutable_data_ptr<bool>() : nullptr;
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t b = r / k, m = r % k, p = lp_[b] + c, own = tsp[b * TS + c * k + m];
+      pp[r] = p, mp[r] = own;
+      for (int64_t j = 0; j < S; ++j) {
+        const int64_t rel = j - lp_[b];
+        int64_t slot = rel < 0 ? gp[b * G + std::min(j, G - 1)] : rel < c ? anc[r * c + rel] : own;
+        if (use_mask) {  // (PagedAttend: past its position a row reads its first key, masked)
+          mk[r * S + j] = j <= p && (window <= 0 || j > p - window);
+          if (j > p) slot = gp[b * G];
+        }
+        sp[r * S + j] = slot;
+      }
+    }
+    c10::List<std::optional<at::Tensor>> masks;
+    masks.push_back(use_mask ? std::optional<at::Tensor>(mask) : std::nullopt);
+    auto [st, lg] = fwd(tok.reshape({R}), feat, pos, std::vector<at::Tensor>{map}, std::vector<at::Tensor>{slots},
+                        masks, flags, std::vector<at::Tensor>{q_index}, std::vector<at::Tensor>{first}, rows);
+    if (st.defined()) state = st.view({B, k, -1});
+    auto [cs, ct] = at::log_softmax(lg.view({B, k, -1}).to(at::kFloat), -1).topk(k, -1);  // [B, K, K]
+    cs = (score.unsqueeze(-1) + cs).reshape({B, k * k});
+    ct = ct.reshape({B, k * k});
+    toks.push_back(ct), scores.push_back(cs);
+    pars.push_back(front_id.unsqueeze(-1).expand({B, k, k}).reshape({B, k * k}));
+    const at::Tensor best = std::get<1>(cs.topk(k, -1));  // [B, K] into the K^2 children
+    tok = ct.gather(1, best), score = cs.gather(1, best);
+    front_parent = best.floor_divide(k).contiguous();
+    front_id = best + offset;
+    offset += k * k;
+  }
+  return {at::cat(toks, 1), at::cat(pars, 1), at::cat(scores, 1)};
+}
+
+// eagle_tree: an EAGLE head's dynamic tree expansion (tree_expand) from its catch-up's logits
+// [B, V] and state h0 [B, d], each frontier one eagle_forward (the head's state passed down).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> eagle_tree(
+    const at::Tensor& logits, const at::Tensor& h0, const at::Tensor& tree_slots, const at::Tensor& gather,
+    const at::Tensor& lens, int64_t max_ctx, int64_t depth, int64_t k, at::Tensor k_cache, at::Tensor v_cache,
+    const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& embed, int64_t embed_rows,
+    const std::optional<at::Tensor>& fc, const std::optional<at::Tensor>& fc_bias,
+    const std::optional<at::Tensor>& input_norm, const std::optional<at::Tensor>& hidden_norm, at::TensorList weights,
+    const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef dims, double eps,
+    const std::optional<at::Tensor>& final_norm, const at::Tensor& head, const std::optional<at::Tensor>& head_bias,
+    int64_t vocab, const std::optional<at::Tensor>& vocab_ids, int64_t full_vocab, double scale) {
+  auto fwd = [&](const at::Tensor& t, const at::Tensor& feat, const at::Tensor& pos, const std::vector<at::Tensor>& map,
+                 const std::vector<at::Tensor>& slots, const c10::List<std::optional<at::Tensor>>& masks,
+                 const std::vector<int64_t>& flags, const std::vector<at::Tensor>& qi,
+                 const std::vector<at::Tensor>& oi, const std::vector<int64_t>& rows) {
+    auto out = eagle_forward(t, feat, pos, k_cache, v_cache, oi[0], map, slots, masks, flags, qi, oi, rows, cos_table,
+                             sin_table, embed, embed_rows, fc, fc_bias, input_norm, hidden_norm, weights, biases, dims,
+                             eps, final_norm, head, head_bias, vocab, vocab_ids, full_vocab, scale);
+    return std::make_pair(std::get<1>(out), std::get<2>(out));
+  };
+  return tree_expand(logits, h0, tree_slots, gather, lens, max_ctx, depth, k, false, 0, fwd);
+}
+
+// decoder_tree: a draft decoder's dynamic tree expansion (tree_expand) from its catch-up's logits
+// [B, V], each frontier one decoder_forward (contexts of exactly max_ctx keys when ``exact_context``).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> decoder_tree(
+    const at::Tensor& logits, const at::Tensor& tree_slots, const at::Tensor& gather, const at::Tensor& lens,
+    int64_t max_ctx, int64_t depth, int64_t k, bool exact_context, int64_t window, at::Tensor k_cache,
+    at::Tensor v_cache, const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& embed,
+    int64_t embed_rows, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
+    at::IntArrayRef dims, double eps, const at::Tensor& final_norm, const at::Tensor& head,
+    const std::optional<at::Tensor>& head_bias, int64_t vocab, double scale) {
+  const std::vector<int64_t> capture = {};
+  auto fwd = [&](const at::Tensor& t, const at::Tensor&, const at::Tensor& pos, const std::vector<at::Tensor>& map,
+                 const std::vector<at::Tensor>& slots, const c10::List<std::optional<at::Tensor>>& masks,
+                 const std::vector<int64_t>& flags, const std::vector<at::Tensor>& qi,
+                 const std::vector<at::Tensor>& oi, const std::vector<int64_t>& rows) {
+    auto out = decoder_forward(t, pos, k_cache, v_cache, oi[0], map, slots, masks, flags, qi, oi, rows, capture,
+                               oi[0], cos_table, sin_table, embed, embed_rows, weights, biases, dims, eps, final_norm,
+                               head, head_bias, vocab, scale);
+    return std::make_pair(at::Tensor(), std::get<2>(out));
+  };
+  return tree_expand(logits, std::nullopt, tree_slots, gather, lens, max_ctx, depth, k, exact_context, window, fwd);
+}
+
 // row_linear_timed: the products y_i = x_i W_i^T for i in order (linear_to, as decoder_forward
 // runs them), ``passes`` times; the seconds of each, [passes, products] float64. For a kernel
 // benchmark (experiments/bench/kernel.py): a forward's projections back to back, no Python
@@ -1018,6 +1162,15 @@ TORCH_LIBRARY(specdec_cpu, m) {
         "Tensor? fc_bias, Tensor? input_norm, Tensor? hidden_norm, Tensor[] weights, Tensor?[] biases, int[] dims, "
         "float eps, Tensor? final_norm, Tensor head, Tensor? head_bias, int vocab, Tensor? vocab_ids, int full_vocab, "
         "float scale) -> Tensor");
+  m.def("eagle_tree(Tensor logits, Tensor h, Tensor tree_slots, Tensor gather, Tensor lens, int max_ctx, int depth, "
+        "int k, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cos_table, Tensor sin_table, Tensor embed, "
+        "int embed_rows, Tensor? fc, Tensor? fc_bias, Tensor? input_norm, Tensor? hidden_norm, Tensor[] weights, "
+        "Tensor?[] biases, int[] dims, float eps, Tensor? final_norm, Tensor head, Tensor? head_bias, int vocab, "
+        "Tensor? vocab_ids, int full_vocab, float scale) -> (Tensor, Tensor, Tensor)");
+  m.def("decoder_tree(Tensor logits, Tensor tree_slots, Tensor gather, Tensor lens, int max_ctx, int depth, int k, "
+        "bool exact_context, int window, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cos_table, Tensor sin_table, "
+        "Tensor embed, int embed_rows, Tensor[] weights, Tensor?[] biases, int[] dims, float eps, Tensor final_norm, "
+        "Tensor head, Tensor? head_bias, int vocab, float scale) -> (Tensor, Tensor, Tensor)");
   m.def("medusa_forward(Tensor x, Tensor[] blocks, Tensor?[] biases, int layers, Tensor[] heads, int vocab) -> Tensor");
 }
 
@@ -1036,5 +1189,7 @@ TORCH_LIBRARY_IMPL(specdec_cpu, CPU, m) {
   m.impl("decoder_steps", decoder_steps);
   m.impl("eagle_forward", eagle_forward);
   m.impl("eagle_steps", eagle_steps);
+  m.impl("eagle_tree", eagle_tree);
+  m.impl("decoder_tree", decoder_tree);
   m.impl("medusa_forward", medusa_forward);
 }

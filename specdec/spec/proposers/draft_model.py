@@ -60,6 +60,7 @@ from specdec.spec.tree import (
     check_tree_fits,
     draft_dynamic_tree,
     draft_static_tree,
+    native_tree_serves,
     node_rows,
 )
 from specdec.spec.proposers.base import (
@@ -113,6 +114,8 @@ class DraftModelDrafter(Drafter):
         backend = backend_of(self.decoder)
         # One request's greedy chain after its catch-up, as one call where the backend has it.
         self._native_chain = backend.draft_chain
+        # A dynamic tree's whole expansion as one call, where the backend has it (Backend.draft_tree).
+        self._native_tree = backend.draft_tree if self.tree is not None and self.tree.kind == "dynamic" else None
         fuse = pipeline.runtime.compile and backend.compile_around
         self._fused = (compile_method(self, type(self)._draft_chain, pipeline.device)
                        if fuse and self.tree is None else None)
@@ -232,7 +235,14 @@ class DraftModelDrafter(Drafter):
         if static is not None:
             return draft_static_tree(step, logits, None, tree_slots, static, num_draft)
         assert self.tree is not None
-        return draft_dynamic_tree(step, logits, None, tree_slots, self.tree, n, num_draft)
+        native = None
+        if self._native_tree is not None and native_tree_serves(kv, self.decoder, max_len + self.tree.depth):
+            draft_tree = self._native_tree
+
+            def native(lg: torch.Tensor, h: torch.Tensor | None, slots: torch.Tensor, depth: int,
+                       k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                return draft_tree(lg, slots, gather_slots, first_position, max_len, depth, k, True, kv)
+        return draft_dynamic_tree(step, logits, None, tree_slots, self.tree, n, num_draft, native=native)
 
 
 @register_proposer("draft_model", DraftModelConfig)

@@ -69,6 +69,7 @@ from specdec.spec.tree import (
     compact_kv,
     draft_dynamic_tree,
     draft_static_tree,
+    native_tree_serves,
     node_rows,
     short_repr,
     static_tree_shape,
@@ -140,6 +141,9 @@ class EagleDrafter(Drafter):
         # as one more call (Backend.head_chain: _chain_steps' bits). It has no per-call dynamo
         # cost to save, and its calls would break a compiled graph: nothing compiled around it.
         self._native_chain = backend.head_chain if self.tree is None else None
+        # ... and a dynamic tree's whole expansion as one call (Backend.head_tree: the bits of
+        # draft_dynamic_tree's loop of head forwards, without its host work per frontier).
+        self._native_tree = backend.head_tree if self.tree is not None and self.tree.kind == "dynamic" else None
         fuse_on = fuse_on if backend.compile_around else None
         # A compiled head guards on its inputs' strides: it gets fresh contiguous copies (_fresh).
         self._copy = _fresh if backend.kind == "compiled" else (lambda t: t)
@@ -256,7 +260,14 @@ class EagleDrafter(Drafter):
         if static is not None:
             return draft_static_tree(step, logits, h0, tree_slots, static)
         assert self.tree is not None
-        return draft_dynamic_tree(step, logits, h0, tree_slots, self.tree, n)
+        native = None
+        if self._native_tree is not None and native_tree_serves(kv, self.head, max_ctx + self.tree.depth):
+            head_tree = self._native_tree
+
+            def native(lg: torch.Tensor, h: torch.Tensor | None, slots: torch.Tensor, depth: int,
+                       k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                return head_tree(lg, h, slots, gather_slots, pos0 + 1, max_ctx, depth, k, kv)
+        return draft_dynamic_tree(step, logits, h0, tree_slots, self.tree, n, native=native)
 
 
 @register_proposer("eagle", EagleConfig)
