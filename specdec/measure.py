@@ -15,7 +15,10 @@ only how they are measured):
   compare_hf.py): :func:`spec_limit` takes τ from the run's counts and outputs, S_plain
   from its plain passes (:func:`plain_step_s`), C_spec from the bare forward times of the
   method's own models (:class:`ForwardTimes`) timed by turns within those same passes
-  (:func:`limit_runs`, :func:`limit_from`) at :func:`limit_context`; :func:`efficiency`
+  (:func:`limit_runs`, :func:`limit_from`) at :func:`limit_context` and at the passes'
+  batch size: every bare forward (the target's T(1) and T(γ+1), the drafter's catch-up
+  and drafting) feeds B throwaway requests at once, as a step of B requests does, so
+  that C_spec and S_plain (a step of B) compare like with like; :func:`efficiency`
   divides;
 - **step-time breakdown** (:func:`step_breakdown`): a run's milliseconds per
   speculative step in each phase of the step (:class:`specdec.spec.metrics.PhaseTimes`)
@@ -34,7 +37,9 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import gc
+import inspect
 import json
 import os
 import platform
@@ -337,8 +342,9 @@ def judge_outputs(outs: Sequence[Sequence[int]], refs: Sequence[Sequence[int]], 
 # --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ForwardTimes:
-    """Bare forward times of one speculative method (seconds, medians of one request), and
-    the shape of its step at full γ: what :meth:`step_s` charges (specdec.spec.cost).
+    """Bare forward times of one speculative method (seconds, medians; each forward feeds
+    the run's batch of requests at once: :func:`limit_timers`), and the shape of its step
+    at full γ: what :meth:`step_s` charges (specdec.spec.cost).
     A field left None was not measured: what needs it is reported missing (None)."""
 
     t_target_1: float | None  # the target's forward of one token (a plain decode step)
@@ -501,15 +507,10 @@ def efficiency(speedup: float | None, limit: float | None) -> float | None:
     return speedup / limit if speedup is not None and limit else None
 
 
-def _bare_time(run: tuple[DecoderPipelineModel, int] | Callable[[int, int], float | None], ctx_len: int,
-               repeats: int) -> float | None:
-    """Seconds of one bare forward of ``run``: a ``(model, n tokens)`` through
-    :func:`~specdec.spec.forward_time.forward_time`, or a timer of its own
-    (``(ctx_len, repeats) -> seconds``, a drafter's)."""
+def _bare_time(timer: Timer, ctx_len: int, repeats: int) -> float | None:
+    """Seconds of one bare forward of ``timer`` (:func:`limit_timers`') at ``ctx_len``."""
     try:
-        if callable(run):
-            return run(ctx_len, repeats)
-        return forward_time(run[0], run[1], ctx_len, repeats=repeats)
+        return timer(ctx_len, repeats)
     except OutOfBlocks as e:
         raise OutOfBlocks(f"a bare forward at context {ctx_len} does not fit in the KV cache ({e}); "
                           "raise runtime.num_blocks") from None
@@ -518,40 +519,61 @@ def _bare_time(run: tuple[DecoderPipelineModel, int] | Callable[[int, int], floa
 Timer = Callable[[int, int], float]  # (context length, timed calls) -> seconds of one call
 
 
-def limit_timers(methods: Mapping[str, LLM], *, after_other: bool | Collection[str] = False
-                 ) -> dict[tuple[str, str], tuple[DecoderPipelineModel, int] | Timer]:
-    """The bare forwards of each method's analytic limit, keyed ``(method, what)``: ``"t1"``
-    (the target's T(1)), ``"tg"`` (its T(γ+1); γ: ``num_speculative_tokens``, the most it
-    drafts), ``"td"`` (the drafter's T_draft(1), a draft model's or an EAGLE head's one-token
-    forward, where it has one). With ``after_other`` (True: every method with a drafter; or
-    those named) also ``"tg_after"``, T(γ+1) with the drafter's bare drafting run once (its
-    timer's one call, no warm-up) before each timed forward, and ``"td_after"``, T_draft(1)
-    with one bare verification forward before each timed drafting (:class:`ForwardTimes`'
-    ``t_target_g1_after_draft`` / ``t_draft_1_after_target``). Each is a ``(model, n tokens)``
-    for :func:`~specdec.spec.forward_time.forward_time` or a timer of its own."""
-    runs: dict[tuple[str, str], tuple[DecoderPipelineModel, int] | Timer] = {}
+def limit_timers(methods: Mapping[str, LLM], *, requests: int = 1, after_other: bool | Collection[str] = False
+                 ) -> dict[tuple[str, str], Timer]:
+    """The bare forwards of each method's analytic limit, keyed ``(method, what)``, each
+    timing ``requests`` throwaway requests at once (the run's batch: a step of B requests
+    is charged a forward of B, as plain decoding's S_plain is a step of B): ``"t1"`` (the
+    target's T(1)), ``"tg"`` (its T(γ+1); γ: ``num_speculative_tokens``, the most it
+    drafts, a tree's node budget), ``"td"`` (the drafter's T_draft(1), its catch-up and
+    drafting forwards as :meth:`~specdec.spec.proposers.Proposer.draft_forward_time`
+    times them, where it has any). With ``after_other`` (True: every method with a
+    drafter; or those named) also ``"tg_after"``, T(γ+1) with the drafter's bare drafting
+    run once (its timer's one call, no warm-up) before each timed forward, and
+    ``"td_after"``, T_draft(1) with one bare verification forward before each timed
+    drafting (:class:`ForwardTimes`' ``t_target_g1_after_draft`` /
+    ``t_draft_1_after_target``)."""
+    if requests < 1:
+        raise ValueError(f"limit_timers: requests must be >= 1 (the run's batch size), got {requests}")
+    runs: dict[tuple[str, str], Timer] = {}
+
+    def target(pm: DecoderPipelineModel, n: int) -> Timer:  # forward_time looked up per call (tests spy on it)
+        return lambda ctx, reps, **k: forward_time(pm, n, ctx, repeats=reps, requests=requests, **k)
+
     for name, llm in methods.items():
         pipe = llm.pipeline
         g1 = int(llm.method.num_speculative_tokens) + 1
-        runs[name, "t1"] = (pipe.target, 1)
-        runs[name, "tg"] = (pipe.target, g1)
-        proposer = pipe.proposer
-        if proposer.has_draft_cost():
-            runs[name, "td"] = proposer.draft_forward_time
+        runs[name, "t1"] = target(pipe.target, 1)
+        runs[name, "tg"] = tg = target(pipe.target, g1)
+        if pipe.proposer.has_draft_cost():
+            runs[name, "td"] = draft = _draft_timer(name, pipe.proposer.draft_forward_time, requests)
             if after_other is True or (after_other and name in after_other):
-                runs[name, "tg_after"] = (
-                    lambda ctx, reps, pm=pipe.target, g1=g1, draft=proposer.draft_forward_time:
-                    forward_time(pm, g1, ctx, repeats=reps, between=lambda: draft(ctx, 1, warmup=0)))
-                runs[name, "td_after"] = (
-                    lambda ctx, reps, pm=pipe.target, g1=g1, draft=proposer.draft_forward_time:
-                    draft(ctx, reps, between=lambda: forward_time(pm, g1, ctx, repeats=1, warmup=0)))
+                runs[name, "tg_after"] = (lambda ctx, reps, tg=tg, draft=draft:
+                                          tg(ctx, reps, between=lambda: draft(ctx, 1, warmup=0)))
+                runs[name, "td_after"] = (lambda ctx, reps, tg=tg, draft=draft:
+                                          draft(ctx, reps, between=lambda: tg(ctx, 1, warmup=0)))
     return runs
+
+
+def _draft_timer(name: str, timer: Callable[..., float], requests: int) -> Callable[..., float]:
+    """A drafter's ``draft_forward_time`` for ``requests`` requests at once. At one request
+    it is called as before (a drafter of another package need not know ``requests``); at
+    more, one that cannot take them is refused, naming the method: timed for one request,
+    its drafting would be charged a batch's step at a single request's cost."""
+    if requests == 1:
+        return timer
+    params = inspect.signature(timer).parameters.values()
+    if not any(p.name == "requests" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        raise TypeError(f"method {name!r}: its drafter's draft_forward_time takes no `requests`, so its drafting "
+                        f"cannot be timed for a batch of {requests} (the analytic limit at the run's batch size)")
+    return functools.partial(timer, requests=requests)
 
 
 def step_shape(llm: LLM) -> tuple[int, float, int]:
     """What a step of ``llm``'s method runs at its full γ: ``(max_rows, draft_forwards,
     max_drafts)`` of :class:`ForwardTimes`, from the drafter's spec (``DrafterSpec.drafts``,
-    ``draft_forwards``). Draft forwards are charged ``T_draft(1)`` each, as the proposer's
+    ``draft_forwards``; per request: at batch B each forward is timed for B requests at once,
+    :func:`limit_timers`). Draft forwards are charged ``T_draft(1)`` each, as the proposer's
     ``draft_forward_time`` measures it: a chain's γ drafts (a compiled chain: its one call
     ÷ γ); a dynamic tree's ``depth`` levels; Medusa's drafts (its one pass of the heads ÷
     its drafts per step, min(γ, heads) for a chain)."""
@@ -573,10 +595,11 @@ def _forward_times(methods: Mapping[str, LLM], t: Mapping[tuple[str, str], float
 LIMIT_RUN = "bare "  # the name prefix of limit_runs' contestants
 
 
-def limit_runs(methods: Mapping[str, LLM], ctx_len: int, *, chunks: int = 12, repeats: int = 3,
+def limit_runs(methods: Mapping[str, LLM], ctx_len: int, *, requests: int = 1, chunks: int = 12, repeats: int = 3,
                after_other: bool | Collection[str] = False) -> dict[str, Run[list[float]]]:
-    """The bare forwards of :func:`limit_timers` as contestants of :func:`lockstep`,
-    timed in the same passes as the runs they are a limit for (:func:`limit_from`).
+    """The bare forwards of :func:`limit_timers` (each of ``requests`` requests at once: the
+    run's batch size) as contestants of :func:`lockstep`, timed in the same passes as the
+    runs they are a limit for (:func:`limit_from`).
 
     Timed at one moment, before or after the passes, the limit's bare forwards catch
     that moment's speed whole, while the passes' ratios, timed by turns, do not move
@@ -587,7 +610,7 @@ def limit_runs(methods: Mapping[str, LLM], ctx_len: int, *, chunks: int = 12, re
     the limit defines them) among the passes' own turns, and the limit takes the
     median over every pass. A contestant's pass time and ratio mean nothing here;
     its result is the list of its rounds' times."""
-    def run(timer: tuple[DecoderPipelineModel, int] | Timer) -> Run[list[float]]:
+    def run(timer: Timer) -> Run[list[float]]:
         def once(reps: int = repeats) -> float:
             return _bare_time(timer, ctx_len, reps)
 
@@ -601,14 +624,16 @@ def limit_runs(methods: Mapping[str, LLM], ctx_len: int, *, chunks: int = 12, re
         return Run(lambda: [once() for _ in range(chunks)], warmup=lambda: once(1), steps=steps)
 
     return {f"{LIMIT_RUN}{name}: {what}": run(timer)
-            for (name, what), timer in limit_timers(methods, after_other=after_other).items()}
+            for (name, what), timer in limit_timers(methods, requests=requests, after_other=after_other).items()}
 
 
-def with_room_for_bare(rt: RuntimeConfig, extra_tokens: int = 64) -> RuntimeConfig:
-    """``rt`` with KV blocks for one full sequence more than its batch (``extra_tokens``
-    past ``max_seq_len`` each, for a drafter's rows): :func:`limit_runs`' bare forwards
-    hold a throwaway request beside a pass's own."""
-    return dataclasses.replace(rt, num_blocks=dataclasses.replace(rt, max_batch_size=rt.max_batch_size + 1)
+def with_room_for_bare(rt: RuntimeConfig, extra_tokens: int = 64, requests: int | None = None) -> RuntimeConfig:
+    """``rt`` with KV blocks for ``requests`` full sequences more than its batch (default
+    ``max_batch_size``; ``extra_tokens`` past ``max_seq_len`` each, for a drafter's rows):
+    :func:`limit_runs`' bare forwards hold a batch of throwaway requests beside a pass's
+    own. (At batch 1: room for one more.)"""
+    more = rt.max_batch_size if requests is None else requests
+    return dataclasses.replace(rt, num_blocks=dataclasses.replace(rt, max_batch_size=rt.max_batch_size + more)
                                .blocks(extra_tokens))
 
 

@@ -1,8 +1,8 @@
 """The analytic limit is one computation in every tool: the run summary (``make run``),
 experiments/bench/spec.py and experiments/bench/compare_hf.py all take it from
 :func:`specdec.measure.spec_limit` (τ from the run's counts and outputs, S_plain from its
-plain passes, C_spec from bare forwards timed by turns within those passes), so the same
-run gives the same limit whichever tool reports it."""
+plain passes, C_spec from bare forwards timed by turns within those passes, each for the
+run's batch of requests), so the same run gives the same limit whichever tool reports it."""
 
 from __future__ import annotations
 
@@ -141,3 +141,110 @@ def test_the_run_times_its_bare_forwards_within_its_batches_and_reports_the_shar
     assert limit is not None and limit == spy[-1]
     saved = json.loads((tmp_path / "run" / "forward_times.json").read_text())["draft_model"]
     assert "plain_step_s" not in saved  # S_plain comes from the run's own plain decoding
+
+
+@pytest.fixture
+def bare_requests(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """``requests`` of every bare forward timed through ``forward_time`` (the target's, and a
+    draft model's: measure's binding, the module's own, draft_model's)."""
+    import specdec.spec.forward_time as ft
+    import specdec.spec.proposers.draft_model as draft_model
+
+    seen: list[int] = []
+    real = ft.forward_time
+
+    def forward_time(*a: Any, requests: int = 1, **k: Any) -> float:
+        seen.append(requests)
+        return real(*a, requests=requests, **k)
+
+    for mod in (ft, measure, draft_model):
+        monkeypatch.setattr(mod, "forward_time", forward_time)
+    return seen
+
+
+def test_a_batch_runs_limit_times_every_bare_forward_for_the_whole_batch(bench_pair, bare_requests,
+                                                                         capsys) -> None:
+    # A step of 4 requests is charged forwards of 4 (the target's T(1) and T(γ+1), the
+    # draft model's), as plain decoding's S_plain is a step of 4; the cache holds them
+    # beside the passes' own 4 (with_room_for_bare).
+    target, draft = bench_pair
+    _bench("spec").main([f"target={target}", f"draft={draft}", "proposers=[draft_model]", "gammas=[2]",
+                         "trees=[]", "num_prompts=4", "batch_size=4", "new_tokens=8", "repeats=1", "threads=1"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert bare_requests and set(bare_requests) == {4}
+    assert out["efficiency_max"] is not None and out["efficiency_max"] <= 1.0
+
+
+def test_the_limits_bare_forward_is_the_forward_a_batch_step_runs() -> None:
+    # At batch 8 the plain loop's forward call feeds 8 requests; the limit's T_t(1) must be
+    # that forward, not one request's (on a 2-core VM: 1.8 ms for 8, 0.6 ms for one), else
+    # the limit at τ = 1, S_plain / T_t(1), reads several times what a step can gain.
+    import time
+
+    import torch
+
+    from specdec.api import LLM
+    from specdec.core.context import SamplingParams
+    from specdec.core.pipeline_model import RuntimeConfig
+    from specdec.engine import EngineConfig
+    from specdec.spec.proposers.ngram import NgramConfig
+
+    pytest.importorskip("transformers")
+    path = random_checkpoint(layers=4, hidden=256, vocab=4096, heads=4, kv_heads=4)
+    rt = measure.with_room_for_bare(RuntimeConfig(max_batch_size=8, max_seq_len=96, threads=1))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 200, (16,), generator=g).tolist() * 2 for _ in range(8)]
+    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = LLM(path, runtime=rt, engine_config=EngineConfig(max_batch_size=8))
+    spec = {"m": LLM(path, method=NgramConfig(num_speculative_tokens=2), runtime=rt,
+                     engine_config=EngineConfig(max_batch_size=8))}
+    modules, calls = plain.pipeline.target.modules, []
+
+    class Timed:  # the plain loop's module, its decode steps' calls timed
+        def __init__(self, module: Any) -> None:
+            self.module = module
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.module, name)
+
+        def __call__(self, inp: Any) -> Any:
+            t = time.perf_counter()
+            out = self.module(inp)
+            if inp.tokens.numel() == 8:  # a decode step of the 8
+                calls.append(time.perf_counter() - t)
+            return out
+
+    modules[0] = Timed(modules[0])
+    runs = {"plain": measure.Run(lambda: plain.generate(prompts, sp),
+                                 steps=lambda clock: plain.generate_steps(prompts, sp, clock=clock))}
+    runs |= measure.limit_runs(spec, 48, requests=8, chunks=4, repeats=5)
+    timing = measure.lockstep(runs, baseline="plain", repeats=2, turn_s=0.01)
+    assert measure.limit_from(timing, spec)["m"].t_target_1 is not None
+    # The least of each (a busy machine's preemptions only add): the forwards' own cost.
+    bare = min(x for r in timing.outputs["bare m: t1"] for x in r)
+    assert 0.6 < bare / min(calls) < 2.0, (bare, min(calls))
+
+
+def test_a_batched_run_times_its_bare_forwards_for_the_batch(tiny_pair, tmp_path, bare_requests,
+                                                             spy) -> None:  # noqa: F811 (the fixture)
+    s = run_experiment(_compose(_overrides(tiny_pair, tmp_path / "run", "logger=none", "data.limit=2",
+                                           "batch_size=2", "method=[draft_model]")))
+    assert bare_requests and set(bare_requests) == {2}  # one batch of the two requests
+    assert s["methods"]["draft_model"]["analytic_limit"] == spy[-1] is not None
+
+
+def test_a_drafter_timer_that_cannot_time_a_batch_is_refused_naming_the_method() -> None:
+    # A drafter of another package whose draft_forward_time predates `requests`: timed for one
+    # request it would charge a batch's drafting at a single request's cost.
+    class Proposer:
+        def has_draft_cost(self) -> bool:
+            return True
+
+        def draft_forward_time(self, ctx_len: int, repeats: int = 10, *, between=None, warmup: int = 3) -> float:
+            return 1e-3
+
+    llm = SimpleNamespace(pipeline=SimpleNamespace(target=None, proposer=Proposer()),
+                          method=SimpleNamespace(num_speculative_tokens=2))
+    assert measure.limit_timers({"mine": llm})["mine", "td"](16, 1) == 1e-3  # one request: as before
+    with pytest.raises(TypeError, match="method 'mine': its drafter's draft_forward_time takes no `requests`"):
+        measure.limit_timers({"mine": llm}, requests=4)

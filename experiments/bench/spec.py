@@ -14,7 +14,9 @@ each request's first step) and efficiency = decode_speedup / analytic limit
 (defined in :mod:`specdec.spec.metrics`, as for every tool: τ · plain decoding's
 measured decode step / the speculative step's bare cost), the bare forward times
 of the method's own models timed by turns in the same passes
-(:func:`specdec.measure.limit_runs`). Last line (JSON): ``efficiency_batch1``
+(:func:`specdec.measure.limit_runs`), each for as many requests at once as a pass's
+step has (``batch_size``, at most the prompts): the ``T_t(1)``, ``T_t(γ+1)`` and ``T_d(1)``
+columns are forwards of that batch. Last line (JSON): ``efficiency_batch1``
 (of the fastest proposer/γ at batch 1), ``best``, the best ``speedup`` and its
 ``tau`` per proposer, ``at_gamma4`` (τ, speedup and efficiency of every
 proposer at γ = 4, the issue goals' operating point), ``outputs_equal`` (every
@@ -213,12 +215,13 @@ def main(argv: list[str]) -> None:
                    before=llm.pipeline.reset_stats,
                    steps=lambda clock, llm=llm: llm.generate_steps(prompts, sp, clock=clock))
              for k, llm in llms.items()}
-    # Bare forward times at the mean decode context, for the analytic limit, timed by
-    # turns in the same passes (measure.limit_runs). The γ = 4 chains (the JSON's
-    # breakdown) also time the verification right after their drafter drafted.
+    # Bare forward times at the mean decode context and the passes' batch, for the analytic
+    # limit, timed by turns in the same passes (measure.limit_runs). The γ = 4 chains (the
+    # JSON's breakdown) also time the verification right after their drafter drafted.
     ctx_len = limit_context([len(p) for p in prompts], cfg.new_tokens)
     at4 = [k for k, (n, g) in grid.items() if g == 4 and not n.endswith(TREE_SUFFIX)]
-    runs |= limit_runs({k: llms[k] for k in grid}, ctx_len, after_other=at4)
+    runs |= limit_runs({k: llms[k] for k in grid}, ctx_len, requests=min(cfg.batch_size, len(prompts)),
+                       after_other=at4)
     timing = lockstep(runs, baseline="plain", repeats=cfg.repeats)
     bare = limit_from(timing, {k: llms[k] for k in grid})
     plain_ids = [o.token_ids for o in timing.last("plain")]

@@ -401,15 +401,16 @@ class Runner:
     def _limit_runs(self, plain_items: Sequence[Item]) -> dict[str, Run[list[float]]]:
         """The bare forwards of each method's analytic limit as contestants of a turn
         (:func:`specdec.measure.limit_runs`, as the benchmarks time them): ``LIMIT_CHUNKS``
-        rounds each, at the turn's mean decode context. A forward that does not fit beside
-        the batch in the KV cache (a ``runtime.num_blocks`` set too small) says so once and
+        rounds each, at the turn's mean decode context, each forward feeding as many requests
+        as the turn has (a batch's step). A forward that does not fit beside the batch in
+        the KV cache (a ``runtime.num_blocks`` set too small) says so once and
         leaves the limit missing; the batch's own results stand."""
         if not self.comps.methods or not plain_items or self.no_room_for_bare:
             return {}
         ctx_len = limit_context([len(ids) for _, ids, _ in plain_items], self.comps.sampling.max_new_tokens)
         methods = {name: self.llms[name] for name in self.comps.methods}
         return {k: replace(run, steps=self._no_room_ends(run)) for k, run in
-                limit_runs(methods, ctx_len, chunks=LIMIT_CHUNKS).items()}
+                limit_runs(methods, ctx_len, requests=len(plain_items), chunks=LIMIT_CHUNKS).items()}
 
     def _no_room_ends(self, run: Run[list[float]]) -> Callable[[Callable[[], float]], Generator[None, None, Any]]:
         """``run``'s steps, ending with no rounds (and the warning, once) where a bare forward does not fit."""

@@ -38,8 +38,9 @@ benchmarks alike, through :func:`specdec.measure.spec_limit`):
   decode speedup divides by (median over passes; the run's batches are one pass);
 - ``C_spec``: the bare cost of what the method's decode step runs
   (:func:`specdec.spec.cost.step_cost`: the target over the rows it verified on
-  average, the drafter's forwards as they run), from bare forward times of one request
-  at the mean decode context (mean prompt + half the new tokens), timed by turns within
+  average, the drafter's forwards as they run), from bare forward times at the mean
+  decode context (mean prompt + half the new tokens), each forward feeding the batch's
+  requests at once (as a step of B does: S_plain is a step of B), timed by turns within
   those same passes, so that S_plain / C_spec holds while the machine's speed drifts.
 
 Every speculative step costs at least ``C_spec``, so the limit is the speedup a

@@ -412,17 +412,19 @@ class Proposer(ABC):
 
     # -- costs: derived from spec.model, or the drafter's own (never a silent 0) ------------
     def draft_forward_time(self, ctx_len: int, repeats: int = 10, *,
-                           between: Callable[[], object] | None = None, warmup: int = 3) -> float:
-        """Seconds of one bare drafting forward at context ``ctx_len`` as a step charges it
-        (T_draft(1) of the analytic limit; 0: model-free). ``between``: untimed, before
-        each timed call of the drafting that follows the target's forward in a step (say
-        that forward: its reads evict some of the drafter's weights from a CPU's caches);
-        ``warmup``: untimed calls first (``repeats=1, warmup=0``: one drafting, as a step's).
-        Default: the spec.model's bare one-token forward."""
+                           between: Callable[[], object] | None = None, warmup: int = 3,
+                           requests: int = 1) -> float:
+        """Seconds of one bare drafting forward for ``requests`` requests (the run's batch)
+        at context ``ctx_len`` as a step charges it (T_draft(1) of the analytic limit; 0:
+        model-free). ``between``: untimed, before each timed call of the drafting that
+        follows the target's forward in a step (say that forward: its reads evict some of
+        the drafter's weights from a CPU's caches); ``warmup``: untimed calls first
+        (``repeats=1, warmup=0``: one drafting, as a step's). Default: the spec.model's
+        bare one-token forward."""
         from specdec.spec.forward_time import forward_time
 
         dm = self.spec.model
-        return (forward_time(dm, 1, ctx_len, repeats=repeats, between=between, warmup=warmup)
+        return (forward_time(dm, 1, ctx_len, repeats=repeats, between=between, warmup=warmup, requests=requests)
                 if dm is not None else 0.0)
 
     def draft_cost(self, batch_size: int, context_len: int) -> float:

@@ -385,20 +385,22 @@ class DraftModelProposer(Proposer):
         ), self.pipeline.device)
 
     def draft_forward_time(self, ctx_len: int, repeats: int = 10, *,
-                           between: Callable[[], object] | None = None, warmup: int = 3) -> float:
-        """T_draft(1) of the analytic limit: one bare one-token forward, or, where the
-        method's γ drafts in one compiled graph, what a draft costs that way: that
-        graph (a one-token catch-up + γ - 1 steps) / γ, as the limit charges
-        γ · T_draft(1) (Medusa's heads are charged the same way). ``between`` runs before
-        each timed first forward only: in a step the other γ - 1 follow the drafter's own."""
-        g = self.config.num_speculative_tokens
+                           between: Callable[[], object] | None = None, warmup: int = 3,
+                           requests: int = 1) -> float:
+        """T_draft(1) of the analytic limit for ``requests`` requests at once: one bare
+        one-token forward, or, where the method's γ drafts in one compiled graph, what a
+        draft costs that way: that graph (a one-token catch-up + γ - 1 steps) / γ, as the
+        limit charges γ · T_draft(1). ``between`` runs before each timed first forward
+        only: in a step the other γ - 1 follow the drafter's own."""
+        g, b = self.config.num_speculative_tokens, requests
         if self.drafter._fused is None or g < 2:
-            first = forward_time(self.pipeline, 1, ctx_len, repeats=repeats, between=between, warmup=warmup)
+            first = forward_time(self.pipeline, 1, ctx_len, repeats=repeats, between=between, warmup=warmup,
+                                 requests=b)
             if between is None or g < 2:
                 return first
-            rest = forward_time(self.pipeline, 1, ctx_len, repeats=repeats, warmup=warmup)
+            rest = forward_time(self.pipeline, 1, ctx_len, repeats=repeats, warmup=warmup, requests=b)
             return (first + (g - 1) * rest) / g
-        return self._fused_time(ctx_len, g, repeats, between=between, warmup=warmup) / g
+        return self._fused_time(ctx_len, g, repeats, requests=b, between=between, warmup=warmup) / g
 
     def fused_draft_cost(self, batch_size: int, context_len: int) -> float | None:
         g = self.config.num_speculative_tokens

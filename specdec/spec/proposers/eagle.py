@@ -437,20 +437,23 @@ class EagleProposer(Proposer):
 
     # -- cost ------------------------------------------------------------------------------
     def draft_forward_time(self, ctx_len: int, repeats: int = 10, *,
-                           between: Callable[[], object] | None = None, warmup: int = 3) -> float:
-        """T_draft(1) of the analytic limit: a bare one-token step of the head, or, where the
-        method's γ drafts its steps in one compiled graph, what a draft costs that way:
+                           between: Callable[[], object] | None = None, warmup: int = 3,
+                           requests: int = 1) -> float:
+        """T_draft(1) of the analytic limit for ``requests`` requests at once: a bare
+        one-token step of the head, or, where the method's γ drafts its steps in one
+        compiled graph (a native chain: of one request only), what a draft costs that way:
         (one step + the fused γ - 1 steps) / γ (the limit charges γ · T_draft(1)).
         ``between`` runs before each timed first step only: in a step the other γ - 1
         follow that one, not the target's forward."""
-        first = self._step_time(ctx_len, repeats, between=between, warmup=warmup)
+        b = requests
+        first = self._step_time(ctx_len, repeats, requests=b, between=between, warmup=warmup)
         g = self.config.num_speculative_tokens
         if g < 2:
             return first
-        if not (self.drafter.compiled_chain or self.drafter.native_chain):
-            rest = self._step_time(ctx_len, repeats, warmup=warmup) if between is not None else first
+        if not (self.drafter.compiled_chain or self.drafter.native_chain and b == 1):
+            rest = self._step_time(ctx_len, repeats, requests=b, warmup=warmup) if between is not None else first
             return (first + (g - 1) * rest) / g
-        return (first + self._step_time(ctx_len, repeats, fused=g, warmup=warmup)) / g
+        return (first + self._step_time(ctx_len, repeats, requests=b, fused=g, warmup=warmup)) / g
 
     def draft_cost(self, batch_size: int, context_len: int) -> float:
         return self._step_time(max(context_len, 1), repeats=7, requests=max(batch_size, 1), stat="min")

@@ -178,10 +178,12 @@ class MedusaProposer(Proposer):
         return max(1, g if self.spec.drafts_trees else min(g, self.heads.num_heads))
 
     def draft_forward_time(self, ctx_len: int, repeats: int = 10, *,
-                           between: Callable[[], object] | None = None, warmup: int = 3) -> float:
+                           between: Callable[[], object] | None = None, warmup: int = 3,
+                           requests: int = 1) -> float:
         """T_draft(1) of the analytic limit, which charges it once per draft token: one pass of
-        the γ heads (all drafts of a step at once, no context read) divided by γ."""
-        return self._heads_time(1, repeats, between, warmup) / self.gamma
+        the γ heads for ``requests`` requests (all drafts of a step at once, no context
+        read) divided by γ."""
+        return self._heads_time(requests, repeats, between, warmup) / self.gamma
 
     def draft_cost(self, batch_size: int, context_len: int) -> float:
         """Per draft token, as adaptive γ charges it (γ · T_draft(B)): one pass of the heads / γ."""
