@@ -48,6 +48,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Collection, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -545,8 +546,9 @@ def limit_timers(methods: Mapping[str, LLM], *, requests: int = 1, after_other: 
         g1 = int(llm.method.num_speculative_tokens) + 1
         runs[name, "t1"] = target(pipe.target, 1)
         runs[name, "tg"] = tg = target(pipe.target, g1)
-        if pipe.proposer.has_draft_cost():
-            runs[name, "td"] = draft = _draft_timer(name, pipe.proposer.draft_forward_time, requests)
+        draft = _draft_timer(name, pipe.proposer.draft_forward_time, requests)
+        if pipe.proposer.has_draft_cost() and draft is not None:  # None: "td" missing, so is the limit
+            runs[name, "td"] = draft
             if after_other is True or (after_other and name in after_other):
                 runs[name, "tg_after"] = (lambda ctx, reps, tg=tg, draft=draft:
                                           tg(ctx, reps, between=lambda: draft(ctx, 1, warmup=0)))
@@ -555,17 +557,19 @@ def limit_timers(methods: Mapping[str, LLM], *, requests: int = 1, after_other: 
     return runs
 
 
-def _draft_timer(name: str, timer: Callable[..., float], requests: int) -> Callable[..., float]:
+def _draft_timer(name: str, timer: Callable[..., float], requests: int) -> Callable[..., float] | None:
     """A drafter's ``draft_forward_time`` for ``requests`` requests at once. At one request
     it is called as before (a drafter of another package need not know ``requests``); at
-    more, one that cannot take them is refused, naming the method: timed for one request,
-    its drafting would be charged a batch's step at a single request's cost."""
+    more, one that cannot take them gives None, with a warning naming the method: timed
+    for one request, its drafting would be charged a batch's step at a single request's
+    cost, so its limit is left missing and the run's own results stand."""
     if requests == 1:
         return timer
     params = inspect.signature(timer).parameters.values()
     if not any(p.name == "requests" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        raise TypeError(f"method {name!r}: its drafter's draft_forward_time takes no `requests`, so its drafting "
-                        f"cannot be timed for a batch of {requests} (the analytic limit at the run's batch size)")
+        warnings.warn(f"method {name!r}: its drafter's draft_forward_time takes no `requests`, so its drafting "
+                      f"cannot be timed for a batch of {requests}; its analytic limit is left missing", stacklevel=2)
+        return None
     return functools.partial(timer, requests=requests)
 
 
