@@ -202,7 +202,7 @@ class DraftTree:
     def chain(tokens: torch.Tensor, probs: torch.Tensor | None = None) -> DraftTree:
         """The tree of ``tokens`` [B, γ] drafted one after another."""
         b, g = tokens.shape
-        parents = (torch.arange(g, device=tokens.device) - 1).expand(b, g)
+        parents = torch.arange(-1, g - 1, device=tokens.device).expand(b, g)
         return DraftTree(tokens=tokens, parents=parents, probs=probs, is_chain=True)
 
 
