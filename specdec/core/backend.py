@@ -24,6 +24,7 @@ holds the one path that reruns a CPU forward whose rows went non-finite
 
 from __future__ import annotations
 
+import math
 import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -266,7 +267,7 @@ def forward_checking_rows(run: Callable[[bool], tuple[R, torch.Tensor, bool]], d
     pipeline after verifying, ``DecoderInputs.isolate_rows``)."""
     check = device.type == "cpu" and not torch.compiler.is_compiling()
     out, h, rows_meet = run(isolate_rows and not check)
-    if check and rows_meet and not bool(torch.isfinite(h.sum())):
+    if check and rows_meet and not math.isfinite(h.sum().item()):  # (NaN and ±inf survive the sum)
         out = run(True)[0]
     return out
 

@@ -406,6 +406,21 @@ class StepBuffers:
         self._gather_np = self._gather.numpy()[0]
         self._views: dict[int, torch.Tensor] = {}  # width -> gather[:, :width]
         self._held: list[int] = []  # block ids whose slots the buffer holds, in order, whole
+        self._triangles: dict[int, torch.Tensor] = {}  # rows Q -> [1, 1, Q, cap] (key_mask)
+        self._masks: dict[tuple[int, int], torch.Tensor] = {}  # (Q, S) -> its view
+
+    def key_mask(self, rows: int, width: int) -> torch.Tensor:
+        """``[1, 1, rows, width]`` bool: the mask of a request's last ``rows`` keys of ``width``
+        fed as its new rows (row i sees keys ``<= width - rows + i``); a view of a triangle
+        made once per row count (read-only: ``DecoderInputs.key_mask``)."""
+        m = self._masks.get((rows, width))
+        if m is None:
+            tri = self._triangles.get(rows)
+            cap = self._gather.shape[1]
+            if tri is None:
+                tri = self._triangles[rows] = (torch.arange(cap) <= cap - rows + torch.arange(rows)[:, None])[None, None]
+            m = self._masks[(rows, width)] = tri[..., cap - width:]
+        return m
 
     def gather(self, blocks: list[int], width: int) -> torch.Tensor:
         """``[1, width]`` KV slot of each position 0 … width - 1 for a request holding ``blocks``;
@@ -485,12 +500,12 @@ class StepBuffers:
             slot[:] = self._gather_np[start:end]
         self._ctx_np[0] = end
         table.num_tokens = end
+        kind = MaskKind.NONE if ln == 1 else MaskKind.CAUSAL if start == 0 else MaskKind.EXPLICIT
         inputs = DecoderInputs(
             tokens=s.tokens, positions=s.positions, slot_mapping=s.slot, gather_slots=gather, q_index=s.q_index,
             q_pos=s.q_pos, out_index=s.out_index, logit_index=s.logit_index, context_lengths=self.context_lengths,
-            single_request=True,
-            mask=MaskKind.NONE if ln == 1 else MaskKind.CAUSAL if start == 0 else MaskKind.EXPLICIT,
-            data_parallel_splits=[0, 1], kv_cache=self.cache.tensors,
+            single_request=True, mask=kind, data_parallel_splits=[0, 1], kv_cache=self.cache.tensors,
+            key_mask=self.key_mask(ln, end) if kind == MaskKind.EXPLICIT else None,
         )
         return inputs, s.draft_index
 

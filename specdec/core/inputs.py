@@ -94,6 +94,12 @@ class DecoderInputs:
     # packed row comes back too (``DecoderOutputs.row_hidden_states``): an
     # EAGLE head catches up on all the rows the target was fed.
     all_hidden: bool = False
+    # [B, 1, Q, S] bool, the position-based mask (key j visible at query q iff
+    # j <= q_pos[b, q]) where the packer has it at hand, and with it the host fact that
+    # every gathered key lies in its request's context (none read in place of padding):
+    # a one-request step's view of a reused triangle (``StepBuffers``). None: built
+    # from ``q_pos``. Read only for MaskKind.EXPLICIT, without a window or tree mask.
+    key_mask: torch.Tensor | None = None
     # Where each data-parallel replica's requests start: [R + 1], host ints.
     data_parallel_splits: list[int] = field(default_factory=lambda: [0])
     # A batch whose requests feed very different row counts (a prompt beside

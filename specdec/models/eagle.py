@@ -313,7 +313,6 @@ class EagleHead(RopeTables, DecoderModule):
         Native (module doc): one C++ call, the Python's bits."""
         assert inputs.kv_cache is not None, "DecoderInputs.kv_cache is required"
         backend = backend_of(self)
-        cos, sin = self.rope_for(inputs.positions)
 
         def run(isolate: bool) -> tuple[tuple[torch.Tensor, torch.Tensor | None], torch.Tensor, bool]:
             attend = paged_attend(inputs, inputs.kv_cache, None, isolate_rows=isolate, kernel=self.attention_kernel)
@@ -321,6 +320,7 @@ class EagleHead(RopeTables, DecoderModule):
             out = backend.eagle_step(inputs, feature, groups) if groups is not None else None
             if out is not None:
                 return (out[1], out[2]), out[0], attend.rows_meet
+            cos, sin = self.rope_for(inputs.positions)  # (the native call reads the tables itself)
             h = self.step(inputs.tokens, feature, cos, sin, attend)
             return (h[inputs.logit_index], None), h, attend.rows_meet
 

@@ -95,27 +95,34 @@ class PagedAttend:
             if self.causal and not self.single:  # prompts, each fed from 0: key j is its row j
                 self.slots = self._own_context(inputs)[1]  # (past it: hidden by causality)
             return
+        # One row per request (decode): its only query sees all its new keys, nothing to hide per row.
+        self.per_row = inputs.q_index.shape[1] > 1
+        if inputs.key_mask is not None and window is None and tree is None:
+            # The packer's mask, every gathered key in context: nothing to build (a one-request
+            # step's verification or catch-up, no tensor op here).
+            self.mask, self.slots, self.in_context = inputs.key_mask, inputs.gather_slots, None
+            return
         s = inputs.gather_slots.shape[1]
         key_pos = torch.arange(s, device=inputs.q_pos.device)
         q_pos = inputs.q_pos.unsqueeze(-1)  # [B, Q, 1]
         mask = key_pos <= q_pos  # [B, Q, S]
-        self.row_request = inputs.out_index // inputs.q_index.shape[1]  # [T] request of each new row
-        # Key index of each new row [T]: its position, except in a tree step (rope
-        # positions are root + depth there; q_pos keeps the key index).
-        self.row_key = inputs.positions if tree is None else inputs.q_pos.reshape(-1)[inputs.out_index]
         if tree is not None:
             mask &= self._tree_visible(tree, key_pos, inputs.q_pos)
         if window is not None and tree is None:
             mask &= key_pos > q_pos - window
         elif window is not None:  # the window counts rope positions: a key's is its row's
-            key_rope = key_pos.expand(inputs.q_pos.shape[0], s).index_put((self.row_request, self.row_key),
-                                                                          inputs.positions)  # [B, S]
+            key_rope = key_pos.expand(inputs.q_pos.shape[0], s).index_put(self._row_keys(), inputs.positions)  # [B, S]
             q_rope = key_rope.gather(1, inputs.q_pos)  # [B, Q]
             mask &= key_rope.unsqueeze(1) > (q_rope - window).unsqueeze(-1)
         self.mask = mask.unsqueeze(1)  # [B, 1, Q, S]
         self.in_context, self.slots = self._own_context(inputs)  # (past it: masked)
-        # One row per request (decode): its only query sees all its new keys, nothing to hide per row.
-        self.per_row = inputs.q_index.shape[1] > 1
+
+    def _row_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([T] request of each new row, [T] its key index): its position, except in a tree
+        step (rope positions are root + depth there; q_pos keeps the key index)."""
+        inp = self.inputs
+        row_key = inp.positions if inp.tree_mask is None else inp.q_pos.reshape(-1)[inp.out_index]
+        return inp.out_index // inp.q_index.shape[1], row_key
 
     @staticmethod
     def _own_context(inputs: DecoderInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,7 +157,8 @@ class PagedAttend:
             ok_q = ok.index_select(0, q_index.reshape(-1)).view(q_index.shape)  # [B, Q]
             slots = torch.where(ok_q[:, : self.slots.shape[1]], self.slots, self.slots[:, :1])
             return slots, (ok_q.cumprod(1) == 0).unsqueeze(1).unsqueeze(-1)  # [B, 1, Q, 1]
-        seen = self.in_context.index_put((self.row_request, self.row_key), ok)  # [B, S] in context and finite
+        in_context = self.in_context if self.in_context is not None else torch.ones_like(self.slots, dtype=torch.bool)
+        seen = in_context.index_put(self._row_keys(), ok)  # [B, S] in context and finite
         poisoned = (self.mask > seen[:, None, None, :]).any(-1, keepdim=True)  # [B, 1, Q, 1] sees a bad row
         return torch.where(seen, self.slots, self.slots[:, :1]), poisoned
 

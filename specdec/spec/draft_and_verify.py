@@ -229,12 +229,12 @@ class DraftAndVerify(nn.Module):
         tree = self._drafts(draft, sampling, slots)
         # Request r has num_draft[r] placeholder rows; its draft_index past
         # them points at its last real row, which gets its own token back.
-        idx = draft_index.reshape(-1)
-        values = tree.tokens.reshape(-1)
+        values = tree.tokens  # [B, γ], as draft_index
         if ragged:
-            real = (torch.arange(draft.gamma, device=idx.device) < num_draft.unsqueeze(1)).reshape(-1)
-            values = torch.where(real, values, target_inputs.tokens.index_select(0, idx))
-        target_inputs.tokens = target_inputs.tokens.index_put((idx,), values)
+            real = torch.arange(draft.gamma, device=draft_index.device) < num_draft.unsqueeze(1)
+            values = torch.where(real, values,
+                                 target_inputs.tokens.index_select(0, draft_index.reshape(-1)).view_as(values))
+        target_inputs.tokens = target_inputs.tokens.index_put((draft_index,), values)
         return tree, tree.tokens, tree.probs
 
     def _drafts(self, draft: DraftBatch, sampling: SamplingTensors, slots: torch.Tensor | None) -> DraftTree:

@@ -3,12 +3,16 @@ general packer gives, and serve under one rule for plain and speculative steps."
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
 from specdec.core.batch_processor import BatchProcessorRuntime, DecoderBatchProcessor, StepBuffers
 from specdec.core.context import SamplingParams, TextContext
+from specdec.core.inputs import MaskKind
 from specdec.core.kv_cache import BlockTable, KVCacheParams, PagedKVCache
+from specdec.models.llama import PagedAttend
 
 FIELDS = ("tokens", "positions", "slot_mapping", "gather_slots", "q_index", "q_pos", "out_index", "logit_index",
           "context_lengths")
@@ -26,9 +30,9 @@ def _ctx(tokens: list[int], blocks: list[int], cached: int) -> TextContext:
 
 
 def test_step_buffers_pack_what_the_packer_packs() -> None:
-    """Reused buffers give prepare_initial_token_inputs' values, shapes and flags step after
-    step (the buffers rewritten between), blocks changing under them, placeholder rows or
-    not, and advance the table as it does."""
+    """Reused buffers give prepare_initial_token_inputs' values, shapes and flags (and, where
+    they hand over a mask, the one attention builds) step after step (the buffers rewritten
+    between), blocks changing under them, placeholder rows or not, and advance the table as it does."""
     bs = 4
     cache = _cache(bs)
     proc = DecoderBatchProcessor(None, BatchProcessorRuntime(kv_caches=[cache], max_batch_size=1, max_seq_len=64))
@@ -48,6 +52,13 @@ def test_step_buffers_pack_what_the_packer_packs() -> None:
             a, e = getattr(got, f), getattr(ref.inputs, f)
             assert a.shape == e.shape and a.dtype == e.dtype and a.equal(e), (start, f, a, e)
         assert (got.mask, got.single_request) == (ref.inputs.mask, ref.inputs.single_request)
+        # A mask the buffers hand over is the one attention builds from q_pos, over the same slots.
+        assert (got.key_mask is not None) == (got.mask == MaskKind.EXPLICIT)
+        if got.key_mask is not None:
+            own = PagedAttend(got, cache.tensors, None)
+            built = PagedAttend(dataclasses.replace(got, key_mask=None), cache.tensors, None)
+            assert own.mask.shape == built.mask.shape and own.mask.equal(built.mask), (start, own.mask, built.mask)
+            assert own.slots.equal(built.slots)
         assert (ref.draft_index is None) == (packed.draft_index is None)
         if ref.draft_index is not None:
             assert packed.draft_index.equal(ref.draft_index)

@@ -191,7 +191,7 @@ class DraftTree:
     """
 
     tokens: torch.Tensor  # [B, N] int64
-    parents: torch.Tensor  # [B, N] int64, -1: the root
+    parents: torch.Tensor | None  # [B, N] int64, -1: the root; None: a chain (is_chain; nothing reads them)
     probs: torch.Tensor | None = None  # [B, N, V] the draft distribution each node was drawn from; None: deterministic
     is_chain: bool = True  # host fact: parents[b, i] == i - 1 for every node
     num_nodes: torch.Tensor | None = None  # [B] real nodes per request (trees); None: all N
@@ -200,10 +200,9 @@ class DraftTree:
 
     @staticmethod
     def chain(tokens: torch.Tensor, probs: torch.Tensor | None = None) -> DraftTree:
-        """The tree of ``tokens`` [B, γ] drafted one after another."""
-        b, g = tokens.shape
-        parents = (torch.arange(g, device=tokens.device) - 1).expand(b, g)
-        return DraftTree(tokens=tokens, parents=parents, probs=probs, is_chain=True)
+        """The tree of ``tokens`` [B, γ] drafted one after another: its parents (each node the
+        one before) go unbuilt, as a chain's verification and drafting read its tokens alone."""
+        return DraftTree(tokens=tokens, parents=None, probs=probs, is_chain=True)
 
 
 @dataclass

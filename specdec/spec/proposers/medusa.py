@@ -36,7 +36,7 @@ import torch
 from specdec.core.backend import load_backend
 from specdec.core.pipeline_model import pack_for_runtime
 from specdec.models.medusa import MedusaHeads, load_medusa
-from specdec.sampling import SamplingTensors, draw_drafts
+from specdec.sampling import SamplingTensors, draw_drafts, greedy_tokens
 from specdec.spec.proposers.base import (
     CheckpointProposerConfig,
     Drafter,
@@ -93,9 +93,11 @@ class MedusaDrafter(Drafter):
         if self.choices is not None:
             return self.tree_tokens(h, gamma)
         logits = self.heads(h, gamma)  # [B, γ, V], γ <= K
+        if sampling.all_greedy:  # (no positions: nothing is drawn)
+            return DraftTree.chain(greedy_tokens(logits))
         # Draft j takes sequence position (bonus row's) + 2 + j.
         pos = (step.first_position + step.num_accepted).unsqueeze(1) + 2 + torch.arange(gamma, device=h.device)
-        return DraftTree.chain(*draw_drafts(logits, None if sampling.all_greedy else sampling, pos))
+        return DraftTree.chain(*draw_drafts(logits, sampling, pos))
 
     def static_shape(self, n: int) -> StaticShape:
         """The static tree cut to its first ``n`` choices (as listed)."""
