@@ -277,7 +277,7 @@ def ancestor_mask(parents: torch.Tensor, num_nodes: torch.Tensor | None = None) 
     squaring: ``ceil(log2 N)`` batched boolean products, no loop over nodes.
     """
     b, n = parents.shape
-    if parents.device.type == "cpu" and b * n <= HOST_WALK_NODES and not torch.compiler.is_compiling():
+    if on_host(parents, HOST_WALK_NODES):
         host = _ancestor_mask_host(parents, num_nodes)
         if host is not None:
             return host
@@ -574,7 +574,7 @@ def dynamic_tree_select(scores: torch.Tensor, parents: torch.Tensor, total_token
     """
     b, m = scores.shape
     k = min(total_tokens, m)
-    if scores.device.type == "cpu" and b * m <= HOST_SELECT_CANDIDATES and not torch.compiler.is_compiling():
+    if on_host(scores, HOST_SELECT_CANDIDATES):
         return _select_host(scores, parents, k)
     finite = scores > float("-inf")  # NaN: not a candidate either
     order = torch.sort(scores.masked_fill(~finite, float("-inf")), dim=1, descending=True, stable=True).indices[:, :k]
@@ -592,6 +592,12 @@ def dynamic_tree_select(scores: torch.Tensor, parents: torch.Tensor, total_token
 # A small CPU batch selects on host lists: tens of µs, not ~15 eager tensor ops (eager only:
 # a compiled drafting keeps its tensor ops, one graph without breaks).
 HOST_SELECT_CANDIDATES = 1024
+
+
+def on_host(t: torch.Tensor, max_numel: int) -> bool:
+    """Whether ``t`` is small enough, on a CPU and eager, for a host-list path of this module
+    (the tensor path's results without its eager ops; traced code keeps the tensor ops)."""
+    return t.device.type == "cpu" and t.numel() <= max_numel and not torch.compiler.is_compiling()
 
 
 def _select_host(scores: torch.Tensor, parents: torch.Tensor, k: int,
@@ -1096,8 +1102,7 @@ def draft_dynamic_tree(step: NodeStep, root_logits: torch.Tensor, root_state: to
     else:
         cand = expand_topk(torch.log_softmax(root_logits.float(), -1), draft_fn, tree.depth, k)
     scores = cand.scores.nan_to_num(nan=float("-inf"))
-    if (scores.device.type == "cpu" and scores.numel() <= HOST_SELECT_CANDIDATES
-            and not torch.compiler.is_compiling()):  # (traced: tensor ops, one graph)
+    if on_host(scores, HOST_SELECT_CANDIDATES):
         sel = _select_host(scores, cand.parents, min(n, scores.shape[1]), num_draft)
     else:
         if num_draft is not None:  # each request's own budget: its best num_draft[b] (still a tree)
